@@ -1,0 +1,101 @@
+// CPU handlers of the activation, the fused activation + dynamic quantization, and the dynamic
+// quantization of 16-bit activations (fp8 e4m3 or int8, per row or per group of columns).
+#include <cmath>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "ffi_common.h"
+
+namespace hj {
+namespace {
+
+// Fills v[0, I) with the activation of row r of x in float32.
+void activation_row(Activation act, float limit, ElemType xt, const void* x, int64_t r, int64_t N1, int64_t I,
+                    float* v) {
+  const bool gated = activation_is_gated(act);
+  for (int64_t i = 0; i < I; ++i) {
+    if (gated) {
+      int64_t g, u;
+      gated_columns(act, i, I, &g, &u);
+      v[i] = activation_gated(act, load_elem(xt, x, r * N1 + g), load_elem(xt, x, r * N1 + u), limit);
+    } else {
+      v[i] = activation_single(act, load_elem(xt, x, r * N1 + i));
+    }
+  }
+}
+
+// Quantizes v[0, K) of row r into q/scale with groups of group_k columns (0: the whole row).
+void quantize_row(ActQuant kind, const float* v, int64_t K, int64_t group_k, int64_t r, void* q, float* scale) {
+  const int64_t gk = group_k > 0 ? group_k : K;
+  const int64_t groups = K / gk;
+  const ElemType qt = kind == ActQuant::kFp8E4M3 ? ElemType::kE4M3 : ElemType::kI8;
+  for (int64_t g = 0; g < groups; ++g) {
+    float absmax = 0.0f;
+    for (int64_t k = g * gk; k < (g + 1) * gk; ++k) absmax = std::fmax(absmax, std::fabs(v[k]));
+    const float s = quant_scale(kind, absmax);
+    scale[r * groups + g] = s;
+    for (int64_t k = g * gk; k < (g + 1) * gk; ++k) store_elem(qt, q, r * K + k, quant_code_value(v[k], s));
+  }
+}
+
+Error ActivationCpu(AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
+  const std::string call = "activation";
+  ActivationShape s;
+  HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "y", *y, {s.R, s.I}));
+  if (y->element_type() != x.element_type()) return invalid(call, "y must have the dtype of x");
+  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("y", *y)}, {span_of("x", x)}));
+  const ElemType t = elem_type_of(x.element_type());
+  const Activation act = static_cast<Activation>(activation);
+  parallel_for(s.R, s.N1 * 8, [&](int64_t r) {
+    std::vector<float> v(static_cast<size_t>(s.I));
+    activation_row(act, limit, t, x.untyped_data(), r, s.N1, s.I, v.data());
+    for (int64_t i = 0; i < s.I; ++i) store_elem(t, y->untyped_data(), r * s.I + i, v[i]);
+  });
+  return Error::Success();
+}
+
+Error ActivationQuantCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t activation,
+                         float limit, int64_t group_k) {
+  const std::string call = "activation_quant";
+  ActivationShape s;
+  HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
+  ActQuant kind;
+  HJ_RETURN_IF_ERROR(check_quant_outputs(call, *q, *scale, s.R, s.I, group_k, &kind));
+  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("q", *q), span_of("scale", *scale)}, {span_of("x", x)}));
+  const ElemType t = elem_type_of(x.element_type());
+  const Activation act = static_cast<Activation>(activation);
+  float* sc = static_cast<float*>(scale->untyped_data());
+  parallel_for(s.R, s.N1 * 8, [&](int64_t r) {
+    std::vector<float> v(static_cast<size_t>(s.I));
+    activation_row(act, limit, t, x.untyped_data(), r, s.N1, s.I, v.data());
+    quantize_row(kind, v.data(), s.I, group_k, r, q->untyped_data(), sc);
+  });
+  return Error::Success();
+}
+
+Error QuantizeCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
+  const std::string call = "quantize";
+  HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
+  HJ_RETURN_IF_ERROR(expect_16bit(call, "x", x));
+  const int64_t R = dim(x, 0), K = dim(x, 1);
+  ActQuant kind;
+  HJ_RETURN_IF_ERROR(check_quant_outputs(call, *q, *scale, R, K, group_k, &kind));
+  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("q", *q), span_of("scale", *scale)}, {span_of("x", x)}));
+  const ElemType t = elem_type_of(x.element_type());
+  float* sc = static_cast<float*>(scale->untyped_data());
+  parallel_for(R, K * 4, [&](int64_t r) {
+    std::vector<float> v(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) v[k] = load_elem(t, x.untyped_data(), r * K + k);
+    quantize_row(kind, v.data(), K, group_k, r, q->untyped_data(), sc);
+  });
+  return Error::Success();
+}
+
+}  // namespace
+}  // namespace hj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationCpu, hj::ActivationCpu, hj::bind_activation<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationQuantCpu, hj::ActivationQuantCpu,
+                              hj::bind_activation_quant<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjQuantizeCpu, hj::QuantizeCpu, hj::bind_quantize<void>());

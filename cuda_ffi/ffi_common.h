@@ -1,0 +1,543 @@
+// Host-side pieces shared by the CPU and CUDA handlers: the operand lists of every custom call
+// (one binding template per call, instantiated once per platform), shape checks, and the rule
+// that no result overlaps an operand unless the call declares that alias.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "moe_contract.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace hj {
+
+namespace ffi = xla::ffi;
+
+using ffi::AnyBuffer;
+using ffi::Error;
+using ffi::Result;
+
+#define HJ_RETURN_IF_ERROR(expr)          \
+  do {                                    \
+    ::xla::ffi::Error _hj_err = (expr);   \
+    if (!_hj_err.success()) return _hj_err; \
+  } while (0)
+
+inline Error invalid(const std::string& call, const std::string& what) {
+  return Error::InvalidArgument("humming_jax." + call + ": " + what);
+}
+
+inline std::string dims_str(const AnyBuffer& b) {
+  std::string s = "[";
+  bool first = true;
+  for (int64_t d : b.dimensions()) {
+    if (!first) s += ", ";
+    s += std::to_string(d);
+    first = false;
+  }
+  return s + "]";
+}
+
+inline int64_t dim(const AnyBuffer& b, size_t i) { return b.dimensions()[i]; }
+inline size_t rank(const AnyBuffer& b) { return b.dimensions().size(); }
+
+inline Error expect_rank(const std::string& call, const char* name, const AnyBuffer& b, size_t r) {
+  if (rank(b) != r)
+    return invalid(call, std::string(name) + " must have rank " + std::to_string(r) + ", got " + dims_str(b));
+  return Error::Success();
+}
+
+inline Error expect_shape(const std::string& call, const char* name, const AnyBuffer& b,
+                          std::initializer_list<int64_t> shape) {
+  bool ok = rank(b) == shape.size();
+  size_t i = 0;
+  for (int64_t d : shape) {
+    if (!ok) break;
+    ok = dim(b, i++) == d;
+  }
+  if (!ok) {
+    std::string want = "[";
+    bool first = true;
+    for (int64_t d : shape) {
+      if (!first) want += ", ";
+      want += std::to_string(d);
+      first = false;
+    }
+    return invalid(call, std::string(name) + " must have shape " + want + "], got " + dims_str(b));
+  }
+  return Error::Success();
+}
+
+inline ElemType elem_type_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return ElemType::kF32;
+    case ffi::DataType::BF16: return ElemType::kBF16;
+    case ffi::DataType::F16: return ElemType::kF16;
+    case ffi::DataType::F8E4M3FN: return ElemType::kE4M3;
+    case ffi::DataType::S8: return ElemType::kI8;
+    case ffi::DataType::U8: return ElemType::kU8;
+    default: return ElemType::kInvalid;
+  }
+}
+
+inline bool is_16bit_float(ElemType t) { return t == ElemType::kBF16 || t == ElemType::kF16; }
+
+inline Error expect_16bit(const std::string& call, const char* name, const AnyBuffer& b) {
+  if (!is_16bit_float(elem_type_of(b.element_type())))
+    return invalid(call, std::string(name) + " must be bfloat16 or float16");
+  return Error::Success();
+}
+
+inline Error expect_s32(const std::string& call, const char* name, const AnyBuffer& b) {
+  if (b.element_type() != ffi::DataType::S32) return invalid(call, std::string(name) + " must be int32");
+  return Error::Success();
+}
+
+// --- The workspace rule (SPEC §5): results never overlap operands they do not alias. -----
+struct Span {
+  const char* name;
+  const void* ptr;
+  size_t bytes;
+};
+
+inline Span span_of(const char* name, const AnyBuffer& b) { return {name, b.untyped_data(), b.size_bytes()}; }
+
+inline bool overlaps(const Span& a, const Span& b) {
+  if (a.bytes == 0 || b.bytes == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.ptr), b0 = reinterpret_cast<uintptr_t>(b.ptr);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+// Checks every (result, operand) pair and every pair of results.
+inline Error check_no_overlap(const std::string& call, std::initializer_list<Span> results,
+                              std::initializer_list<Span> operands) {
+  for (const Span& r : results) {
+    for (const Span& o : operands)
+      if (overlaps(r, o))
+        return Error::Internal("humming_jax." + call + ": result '" + r.name + "' overlaps operand '" +
+                               o.name + "', which the call does not alias");
+    for (const Span& r2 : results)
+      if (&r != &r2 && overlaps(r, r2))
+        return Error::Internal("humming_jax." + call + ": results '" + r.name + "' and '" + r2.name +
+                               "' overlap");
+  }
+  return Error::Success();
+}
+
+// ----------------------------------------------------------------------------------------
+// Weights: parsed once, the same way for both platforms.
+// ----------------------------------------------------------------------------------------
+struct WeightAttrs {
+  int64_t weight_type, group_n, group_k, has_zero, has_scale2, has_bias;
+};
+
+// qweight [E, N, Kb], scale [E, ceil(N/gn), ceil(K/gk)] (or [1] for float weights),
+// zero (same grid, uint8, or [1]), scale2 [E] f32 (or [1]), bias [E, N] f32 (or [1]).
+inline Error parse_weights(const std::string& call, const AnyBuffer& qweight, const AnyBuffer& scale,
+                           const AnyBuffer& zero, const AnyBuffer& scale2, const AnyBuffer& bias,
+                           const WeightAttrs& at, int64_t K, WeightView* w) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "qweight", qweight, 3));
+  w->type = static_cast<WeightType>(at.weight_type);
+  w->E = dim(qweight, 0);
+  w->N = dim(qweight, 1);
+  w->K = K;
+  w->group_n = at.group_n;
+  w->group_k = at.group_k;
+  w->data = qweight.untyped_data();
+  w->data_type = elem_type_of(qweight.element_type());
+  w->scale = nullptr;
+  w->scale_type = ElemType::kInvalid;
+  w->zero = nullptr;
+  w->scale2 = nullptr;
+  w->bias = nullptr;
+  switch (w->type) {
+    case WeightType::kFloat:
+      if (!is_16bit_float(w->data_type) && w->data_type != ElemType::kF32)
+        return invalid(call, "float weights must be bfloat16, float16 or float32");
+      break;
+    case WeightType::kUInt4:
+    case WeightType::kFp4E2M1:
+      if (w->data_type != ElemType::kU8) return invalid(call, "4-bit weights must be packed as uint8");
+      if (K % 2) return invalid(call, "4-bit weights need an even K");
+      break;
+    case WeightType::kInt8:
+      if (w->data_type != ElemType::kI8) return invalid(call, "int8 weights must be int8");
+      break;
+    case WeightType::kFp8E4M3:
+      if (w->data_type != ElemType::kE4M3 && w->data_type != ElemType::kU8)
+        return invalid(call, "fp8 weights must be float8_e4m3fn");
+      break;
+    default: return invalid(call, "unknown weight_type " + std::to_string(at.weight_type));
+  }
+  if (dim(qweight, 2) != w->row_bytes())
+    return invalid(call, "qweight " + dims_str(qweight) + " does not hold K = " + std::to_string(K) +
+                             " per row");
+  if (w->type != WeightType::kFloat) {
+    if (at.group_n <= 0 || at.group_k <= 0) return invalid(call, "group sizes must be positive");
+    HJ_RETURN_IF_ERROR(expect_shape(call, "scale", scale, {w->E, w->scale_rows(), w->scale_cols()}));
+    w->scale = scale.untyped_data();
+    w->scale_type = elem_type_of(scale.element_type());
+    if (w->scale_type == ElemType::kU8) w->scale_type = ElemType::kE8M0;
+    if (w->scale_type == ElemType::kInvalid || w->scale_type == ElemType::kI8)
+      return invalid(call, "unsupported scale dtype");
+    if (at.has_zero) {
+      if (w->type != WeightType::kUInt4) return invalid(call, "zero points apply to 4-bit integer weights only");
+      HJ_RETURN_IF_ERROR(expect_shape(call, "zero", zero, {w->E, w->scale_rows(), w->scale_cols()}));
+      if (zero.element_type() != ffi::DataType::U8) return invalid(call, "zero points must be uint8");
+      w->zero = static_cast<const uint8_t*>(zero.untyped_data());
+    }
+    if (at.has_scale2) {
+      HJ_RETURN_IF_ERROR(expect_shape(call, "scale2", scale2, {w->E}));
+      if (scale2.element_type() != ffi::DataType::F32) return invalid(call, "scale2 must be float32");
+      w->scale2 = static_cast<const float*>(scale2.untyped_data());
+    }
+  }
+  if (at.has_bias) {
+    HJ_RETURN_IF_ERROR(expect_shape(call, "bias", bias, {w->E, w->N}));
+    if (bias.element_type() != ffi::DataType::F32) return invalid(call, "bias must be float32");
+    w->bias = static_cast<const float*>(bias.untyped_data());
+  }
+  return Error::Success();
+}
+
+// a [..., K] (16-bit, or fp8/int8 codes with a_scale [rows, ceil(K/group_k)] f32).
+inline Error parse_activations(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
+                               int64_t act_group_k, int64_t rows, ActView* v) {
+  v->type = elem_type_of(a.element_type());
+  v->data = a.untyped_data();
+  v->K = dim(a, rank(a) - 1);
+  v->group_k = act_group_k > 0 ? act_group_k : v->K;
+  v->scale = nullptr;
+  if (v->quantized()) {
+    if (a_scale.element_type() != ffi::DataType::F32) return invalid(call, "a_scale must be float32");
+    HJ_RETURN_IF_ERROR(expect_shape(call, "a_scale", a_scale, {rows, v->scale_cols()}));
+    v->scale = static_cast<const float*>(a_scale.untyped_data());
+  } else if (!is_16bit_float(v->type)) {
+    return invalid(call, "activations must be bfloat16, float16, float8_e4m3fn or int8");
+  }
+  return Error::Success();
+}
+
+// A GEMM problem: c[r, n] = round_c(sum_k a'(r, k) * w'(e, n, k) + bias[e, n]), where a' is
+// the activation value (dequantized for 8-bit codes) and w' the weight value, rounded to the
+// activation type when the activations are 16-bit.
+struct GemmProblem {
+  ActView a;
+  WeightView w;
+  ElemType c_type;
+  void* c;
+  int64_t N, K;
+};
+
+struct GemmAttrs {
+  WeightAttrs weights;
+  int64_t act_group_k;
+};
+
+inline Error parse_gemm(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
+                        const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
+                        const AnyBuffer& scale2, const AnyBuffer& bias, const GemmAttrs& at,
+                        const AnyBuffer& c, GemmProblem* p) {
+  if (rank(a) < 2) return invalid(call, "a must have rank 2 or 3, got " + dims_str(a));
+  if (rank(c) != rank(a)) return invalid(call, "c must have the rank of a");
+  int64_t a_rows = 1;
+  for (size_t i = 0; i + 1 < rank(a); ++i) {
+    a_rows *= dim(a, i);
+  }
+  HJ_RETURN_IF_ERROR(parse_activations(call, a, a_scale, at.act_group_k, a_rows, &p->a));
+  p->K = p->a.K;
+  HJ_RETURN_IF_ERROR(parse_weights(call, qweight, scale, zero, scale2, bias, at.weights, p->K, &p->w));
+  p->N = p->w.N;
+  p->c_type = elem_type_of(c.element_type());
+  if (!is_16bit_float(p->c_type)) return invalid(call, "c must be bfloat16 or float16");
+  if (dim(c, rank(c) - 1) != p->N)
+    return invalid(call, "c " + dims_str(c) + " must have N = " + std::to_string(p->N) + " columns");
+  if (p->w.type == WeightType::kFloat && p->w.data_type != p->a.type)
+    return invalid(call, "16-bit weights must have the activations' dtype");
+  p->c = c.untyped_data();
+  return check_no_overlap(call, {span_of("c", c)},
+                          {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
+                           span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
+                           span_of("bias", bias)});
+}
+
+// The weight value a GEMM multiplies with (see GemmProblem).
+HJ_HD float gemm_weight(const GemmProblem& p, int64_t e, int64_t n, int64_t k) {
+  const float v = weight_value(p.w, e, n, k);
+  return p.a.quantized() ? v : round_to(p.a.type, v);
+}
+
+struct IndexedLayout {
+  const int32_t* sorted_ids;
+  const int32_t* block_expert_ids;
+  const int32_t* num_tokens_post_padded;
+  int64_t padded_rows, num_blocks, block_m, gather_div, a_rows, c_rows;
+};
+
+inline Error check_indexed_layout(const std::string& call, const AnyBuffer& a, const AnyBuffer& c,
+                                  const AnyBuffer& sorted_ids, const AnyBuffer& block_expert_ids,
+                                  const AnyBuffer& ntpp, int64_t gather_div, int64_t block_m,
+                                  IndexedLayout* l) {
+  if (rank(a) != 2) return invalid(call, "a must be [rows, K]");
+  HJ_RETURN_IF_ERROR(expect_rank(call, "sorted_ids", sorted_ids, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "sorted_ids", sorted_ids));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "block_expert_ids", block_expert_ids, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "block_expert_ids", block_expert_ids));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "num_tokens_post_padded", ntpp, {1}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "num_tokens_post_padded", ntpp));
+  if (block_m <= 0 || gather_div <= 0) return invalid(call, "block_m and gather_div must be positive");
+  l->padded_rows = dim(sorted_ids, 0);
+  l->num_blocks = dim(block_expert_ids, 0);
+  if (l->padded_rows != l->num_blocks * block_m)
+    return invalid(call, "sorted_ids must hold block_m rows per entry of block_expert_ids");
+  l->sorted_ids = static_cast<const int32_t*>(sorted_ids.untyped_data());
+  l->block_expert_ids = static_cast<const int32_t*>(block_expert_ids.untyped_data());
+  l->num_tokens_post_padded = static_cast<const int32_t*>(ntpp.untyped_data());
+  l->block_m = block_m;
+  l->gather_div = gather_div;
+  l->a_rows = dim(a, 0);
+  l->c_rows = dim(c, 0);
+  return check_no_overlap(call, {span_of("c", c)},
+                          {span_of("sorted_ids", sorted_ids), span_of("block_expert_ids", block_expert_ids),
+                           span_of("num_tokens_post_padded", ntpp)});
+}
+
+inline Error check_grouped_layout(const std::string& call, const AnyBuffer& a, const AnyBuffer& c,
+                                  const AnyBuffer& offsets, int64_t num_experts) {
+  if (rank(a) != 2) return invalid(call, "a must be [rows, K]");
+  if (dim(c, 0) != dim(a, 0)) return invalid(call, "c must have the rows of a");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "expert_first_token_offset", offsets, {num_experts + 1}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
+  return check_no_overlap(call, {span_of("c", c)}, {span_of("expert_first_token_offset", offsets)});
+}
+
+inline Error check_batched_layout(const std::string& call, const AnyBuffer& a, const AnyBuffer& c,
+                                  const AnyBuffer& counts, int64_t num_experts) {
+  if (rank(a) != 3) return invalid(call, "a must be [E, T, K]");
+  if (dim(a, 0) != num_experts) return invalid(call, "a must have one slab per local expert");
+  if (dim(c, 0) != dim(a, 0) || dim(c, 1) != dim(a, 1)) return invalid(call, "c must be [E, T, N]");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "expert_num_tokens", counts, {num_experts}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_num_tokens", counts));
+  return check_no_overlap(call, {span_of("c", c)}, {span_of("expert_num_tokens", counts)});
+}
+
+// ----------------------------------------------------------------------------------------
+// Operand lists, one per custom call, written once for both platforms. `PlatformCtx` is the platform
+// context (void on CPU, PlatformStream<cudaStream_t> on CUDA). Bindings cannot be moved, so each
+// list is one expression that starts from bind_base.
+// ----------------------------------------------------------------------------------------
+template <typename PlatformCtx>
+auto bind_base() {
+  if constexpr (std::is_void_v<PlatformCtx>) {
+    return ffi::Ffi::Bind();
+  } else {
+    return ffi::Ffi::Bind().template Ctx<PlatformCtx>();
+  }
+}
+
+// a, a_scale, qweight, scale, zero, scale2, bias
+#define HJ_GEMM_OPERANDS                                                                    \
+  .template Arg<AnyBuffer>().template Arg<AnyBuffer>().template Arg<AnyBuffer>()            \
+      .template Arg<AnyBuffer>().template Arg<AnyBuffer>().template Arg<AnyBuffer>()        \
+      .template Arg<AnyBuffer>()
+
+#define HJ_GEMM_ATTRS                                                                         \
+  .template Attr<int64_t>("weight_type").template Attr<int64_t>("group_n")                    \
+      .template Attr<int64_t>("group_k").template Attr<int64_t>("has_zero")                   \
+      .template Attr<int64_t>("has_scale2").template Attr<int64_t>("has_bias")                \
+      .template Attr<int64_t>("act_group_k")
+
+// gemm_indexed(a, a_scale, w..., sorted_ids, block_expert_ids, num_tokens_post_padded) -> c
+template <typename PlatformCtx>
+auto bind_gemm_indexed() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // sorted_ids
+      .template Arg<AnyBuffer>()  // block_expert_ids
+      .template Arg<AnyBuffer>()  // num_tokens_post_padded
+      .template Ret<AnyBuffer>()  // c [M * top_k, N]
+      HJ_GEMM_ATTRS
+      .template Attr<int64_t>("gather_div")
+      .template Attr<int64_t>("block_m");
+}
+
+// gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c
+template <typename PlatformCtx>
+auto bind_gemm_grouped() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // expert_first_token_offset [E + 1]
+      .template Ret<AnyBuffer>()  // c [R, N]
+      HJ_GEMM_ATTRS;
+}
+
+// gemm_batched(a, a_scale, w..., expert_num_tokens) -> c
+template <typename PlatformCtx>
+auto bind_gemm_batched() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // expert_num_tokens [E]
+      .template Ret<AnyBuffer>()  // c [E, T, N]
+      HJ_GEMM_ATTRS;
+}
+
+// gemm_batched_into(a, a_scale, w..., expert_num_tokens, out) -> out (aliased)
+template <typename PlatformCtx>
+auto bind_gemm_batched_into() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // expert_num_tokens [E]
+      .template Arg<AnyBuffer>()  // out, aliased to the result
+      .template Ret<AnyBuffer>()  // out [E, T, N]
+      HJ_GEMM_ATTRS;
+}
+
+// routing_indexed(topk_ids, expert_map) -> sorted_ids, block_expert_ids, num_tokens_post_padded, src_rows
+template <typename PlatformCtx>
+auto bind_routing_indexed() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("num_local_experts")
+      .template Attr<int64_t>("block_m");
+}
+
+// routing_grouped(topk_ids, expert_map) -> permutation, expert_first_token_offset, src_rows
+template <typename PlatformCtx>
+auto bind_routing_grouped() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("num_local_experts");
+}
+
+// permute_rows(x, permutation, expert_first_token_offset) -> y [M * top_k, cols]
+template <typename PlatformCtx>
+auto bind_permute_rows() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("top_k");
+}
+
+// activation(x) -> y
+template <typename PlatformCtx>
+auto bind_activation() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("limit");
+}
+
+// activation_quant(x) -> q, scale
+template <typename PlatformCtx>
+auto bind_activation_quant() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("limit")
+      .template Attr<int64_t>("group_k");
+}
+
+// quantize(x) -> q, scale
+template <typename PlatformCtx>
+auto bind_quantize() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("group_k");
+}
+
+// finalize(d, topk_weights, src_rows, out) -> out (aliased)
+template <typename PlatformCtx>
+auto bind_finalize() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>();
+}
+
+// ----------------------------------------------------------------------------------------
+// Shape checks shared by both platforms.
+// ----------------------------------------------------------------------------------------
+struct RoutingShape {
+  int64_t M, top_k, num_global, num_local;
+};
+
+inline Error check_routing_inputs(const std::string& call, const AnyBuffer& topk_ids,
+                                  const AnyBuffer& expert_map, int64_t num_local, RoutingShape* s) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "topk_ids", topk_ids, 2));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "topk_ids", topk_ids));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_map", expert_map, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_map", expert_map));
+  if (num_local <= 0) return invalid(call, "num_local_experts must be positive");
+  s->M = dim(topk_ids, 0);
+  s->top_k = dim(topk_ids, 1);
+  s->num_global = dim(expert_map, 0);
+  s->num_local = num_local;
+  return Error::Success();
+}
+
+// Activation call shapes: x [R, N1] -> y [R, I].
+struct ActivationShape {
+  int64_t R, N1, I;
+};
+
+inline Error check_activation(const std::string& call, const AnyBuffer& x, int64_t act,
+                              ActivationShape* s) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
+  HJ_RETURN_IF_ERROR(expect_16bit(call, "x", x));
+  if (act < 0 || act >= kNumActivations) return invalid(call, "unknown activation " + std::to_string(act));
+  s->R = dim(x, 0);
+  s->N1 = dim(x, 1);
+  const bool gated = activation_is_gated(static_cast<Activation>(act));
+  if (gated && s->N1 % 2) return invalid(call, "a gated activation needs an even number of columns");
+  s->I = gated ? s->N1 / 2 : s->N1;
+  return Error::Success();
+}
+
+inline Error check_quant_outputs(const std::string& call, const AnyBuffer& q, const AnyBuffer& scale,
+                                 int64_t R, int64_t K, int64_t group_k, ActQuant* kind) {
+  HJ_RETURN_IF_ERROR(expect_shape(call, "q", q, {R, K}));
+  const ElemType qt = elem_type_of(q.element_type());
+  if (qt == ElemType::kE4M3) *kind = ActQuant::kFp8E4M3;
+  else if (qt == ElemType::kI8) *kind = ActQuant::kInt8;
+  else return invalid(call, "quantized output must be float8_e4m3fn or int8");
+  if (group_k < 0 || (group_k > 0 && K % group_k))
+    return invalid(call, "group_k must divide K = " + std::to_string(K));
+  const int64_t groups = group_k > 0 ? K / group_k : 1;
+  HJ_RETURN_IF_ERROR(expect_shape(call, "scale", scale, {R, groups}));
+  if (scale.element_type() != ffi::DataType::F32) return invalid(call, "scale must be float32");
+  return Error::Success();
+}
+
+inline Error check_finalize(const std::string& call, const AnyBuffer& d, const AnyBuffer& w,
+                            const AnyBuffer& src_rows, const AnyBuffer& out) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "d", d, 2));
+  HJ_RETURN_IF_ERROR(expect_16bit(call, "d", d));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "out", out, 2));
+  if (out.element_type() != d.element_type()) return invalid(call, "out must have the dtype of d");
+  if (dim(out, 1) != dim(d, 1)) return invalid(call, "out and d must have the same number of columns");
+  HJ_RETURN_IF_ERROR(expect_rank(call, "topk_weights", w, 2));
+  if (w.element_type() != ffi::DataType::F32) return invalid(call, "topk_weights must be float32");
+  if (dim(w, 0) != dim(out, 0)) return invalid(call, "topk_weights rows must match out rows");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "src_rows", src_rows, {dim(w, 0), dim(w, 1)}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "src_rows", src_rows));
+  return Error::Success();
+}
+
+}  // namespace hj

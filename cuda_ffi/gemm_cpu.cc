@@ -1,0 +1,166 @@
+// CPU handlers of the expert GEMM in its three forms (indexed gather, grouped contiguous,
+// batched masked). Each dequantizes a weight row once per group of activation rows that share
+// an expert and accumulates in float32 in increasing k.
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "ffi_common.h"
+
+namespace hj {
+namespace {
+
+// A run of rows that use one expert: a_rows[i] of A produce c_rows[i] of C.
+struct RowRun {
+  int64_t expert;
+  std::vector<int64_t> a_rows, c_rows;
+};
+
+void gemm_runs(const GemmProblem& p, const std::vector<RowRun>& runs) {
+  const int64_t K = p.K, N = p.N;
+  for (const RowRun& run : runs) {
+    const int64_t rows = static_cast<int64_t>(run.a_rows.size());
+    if (rows == 0) continue;
+    std::vector<float> a(static_cast<size_t>(rows * K));
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t k = 0; k < K; ++k) a[i * K + k] = act_value(p.a, run.a_rows[i], k);
+    parallel_for(N, rows * K + K, [&](int64_t n) {
+      std::vector<float> wrow(static_cast<size_t>(K));
+      for (int64_t k = 0; k < K; ++k) wrow[k] = gemm_weight(p, run.expert, n, k);
+      const float b = p.w.bias ? p.w.bias[run.expert * N + n] : 0.0f;
+      for (int64_t i = 0; i < rows; ++i) {
+        const float* ar = &a[i * K];
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k) acc += ar[k] * wrow[k];
+        store_elem(p.c_type, p.c, run.c_rows[i] * N + n, acc + b);
+      }
+    });
+  }
+}
+
+void zero_rows(const GemmProblem& p, int64_t first, int64_t last) {
+  for (int64_t r = first; r < last; ++r)
+    for (int64_t n = 0; n < p.N; ++n) store_elem(p.c_type, p.c, r * p.N + n, 0.0f);
+}
+
+GemmAttrs gemm_attrs(int64_t wt, int64_t gn, int64_t gk, int64_t hz, int64_t hs2, int64_t hb, int64_t agk) {
+  return GemmAttrs{WeightAttrs{wt, gn, gk, hz, hs2, hb}, agk};
+}
+
+Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                     AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
+                     AnyBuffer ntpp, Result<AnyBuffer> c, int64_t weight_type, int64_t group_n,
+                     int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                     int64_t act_group_k, int64_t gather_div, int64_t block_m) {
+  const std::string call = "gemm_indexed";
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
+                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                           act_group_k),
+                                *c, &p));
+  IndexedLayout l;
+  HJ_RETURN_IF_ERROR(check_indexed_layout(call, a, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
+                                          block_m, &l));
+  int64_t used = *l.num_tokens_post_padded;
+  used = used < 0 ? 0 : (used > l.padded_rows ? l.padded_rows : used);
+  std::vector<RowRun> runs;
+  for (int64_t b = 0; b * block_m < used; ++b) {
+    const int64_t e = l.block_expert_ids[b];
+    if (e < 0 || e >= p.w.E) continue;  // never address weights with an invalid id
+    RowRun run{e, {}, {}};
+    for (int64_t i = b * block_m; i < (b + 1) * block_m; ++i) {
+      const int64_t id = l.sorted_ids[i];
+      if (id < 0 || id >= l.c_rows || id / gather_div >= l.a_rows) continue;  // padding
+      run.a_rows.push_back(id / gather_div);
+      run.c_rows.push_back(id);
+    }
+    runs.push_back(std::move(run));
+  }
+  gemm_runs(p, runs);
+  return Error::Success();
+}
+
+Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                     AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
+                     int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                     int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+  const std::string call = "gemm_grouped";
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
+                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                           act_group_k),
+                                *c, &p));
+  HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, *c, offsets, p.w.E));
+  const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
+  const int64_t R = dim(a, 0);
+  std::vector<RowRun> runs;
+  int64_t done = 0;  // rows below `done` are covered; offsets are clamped to be monotone in [0, R]
+  for (int64_t e = 0; e < p.w.E; ++e) {
+    int64_t hi = off[e + 1];
+    hi = hi < done ? done : (hi > R ? R : hi);
+    RowRun run{e, {}, {}};
+    for (int64_t r = done; r < hi; ++r) {
+      run.a_rows.push_back(r);
+      run.c_rows.push_back(r);
+    }
+    runs.push_back(std::move(run));
+    done = hi;
+  }
+  gemm_runs(p, runs);
+  zero_rows(p, done, R);
+  return Error::Success();
+}
+
+Error gemm_batched_impl(const std::string& call, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight,
+                        AnyBuffer scale, AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer counts,
+                        AnyBuffer c, const GemmAttrs& at) {
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias, at, c, &p));
+  HJ_RETURN_IF_ERROR(check_batched_layout(call, a, c, counts, p.w.E));
+  const int32_t* cnt = static_cast<const int32_t*>(counts.untyped_data());
+  const int64_t T = dim(a, 1);
+  std::vector<RowRun> runs;
+  for (int64_t e = 0; e < p.w.E; ++e) {
+    int64_t n = cnt[e];
+    n = n < 0 ? 0 : (n > T ? T : n);
+    RowRun run{e, {}, {}};
+    for (int64_t t = 0; t < n; ++t) {
+      run.a_rows.push_back(e * T + t);
+      run.c_rows.push_back(e * T + t);
+    }
+    runs.push_back(std::move(run));
+    zero_rows(p, e * T + n, (e + 1) * T);  // rows past the count are written as zeros
+  }
+  gemm_runs(p, runs);
+  return Error::Success();
+}
+
+Error GemmBatchedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                     AnyBuffer scale2, AnyBuffer bias, AnyBuffer counts, Result<AnyBuffer> c,
+                     int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                     int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+  return gemm_batched_impl("gemm_batched", a, a_scale, qweight, scale, zero, scale2, bias, counts, *c,
+                           gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                      act_group_k));
+}
+
+Error GemmBatchedIntoCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                         AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer counts, AnyBuffer out,
+                         Result<AnyBuffer> c, int64_t weight_type, int64_t group_n, int64_t group_k,
+                         int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+  const std::string call = "gemm_batched_into";
+  if (out.dimensions().size() != c->dimensions().size() || out.element_type() != c->element_type() ||
+      out.size_bytes() != c->size_bytes())
+    return invalid(call, "out must match the result in shape and dtype");
+  return gemm_batched_impl(call, a, a_scale, qweight, scale, zero, scale2, bias, counts, *c,
+                           gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                      act_group_k));
+}
+
+}  // namespace
+}  // namespace hj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCpu, hj::GemmIndexedCpu, hj::bind_gemm_indexed<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCpu, hj::GemmBatchedCpu, hj::bind_gemm_batched<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedIntoCpu, hj::GemmBatchedIntoCpu,
+                              hj::bind_gemm_batched_into<void>());

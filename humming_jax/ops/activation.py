@@ -1,0 +1,59 @@
+"""Activation, fused activation + dynamic quantization, and dynamic quantization custom calls."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import _ffi
+from ..activations import get_activation
+
+QUANT_DTYPES = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+
+
+def _quant_shapes(rows: int, cols: int, quant: str, group_k: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    if quant not in QUANT_DTYPES:
+        raise ValueError(f"unknown activation quantization {quant!r}; supported: {sorted(QUANT_DTYPES)}")
+    if group_k and cols % group_k:
+        raise ValueError(f"group size {group_k} does not divide {cols} columns")
+    groups = cols // group_k if group_k else 1
+    return (
+        jax.ShapeDtypeStruct((rows, cols), QUANT_DTYPES[quant]),
+        jax.ShapeDtypeStruct((rows, groups), jnp.float32),
+    )
+
+
+def activation(x: jax.Array, name: str, limit: float | None = None) -> jax.Array:
+    """[R, N1] -> [R, I] in x's dtype."""
+    spec, lim = get_activation(name, limit)
+    cols = x.shape[1] // 2 if spec.gated else x.shape[1]
+    return _ffi.call(
+        "activation",
+        jax.ShapeDtypeStruct((x.shape[0], cols), x.dtype),
+        x,
+        activation=int(spec.code),
+        limit=lim,
+    )
+
+
+def activation_quant(
+    x: jax.Array, name: str, limit: float | None, quant: str, group_k: int
+) -> tuple[jax.Array, jax.Array]:
+    """[R, N1] -> codes [R, I] and float32 scales [R, I / group_k] (group_k 0: one per row)."""
+    spec, lim = get_activation(name, limit)
+    cols = x.shape[1] // 2 if spec.gated else x.shape[1]
+    q, s = _ffi.call(
+        "activation_quant",
+        _quant_shapes(x.shape[0], cols, quant, group_k),
+        x,
+        activation=int(spec.code),
+        limit=lim,
+        group_k=group_k,
+    )
+    return q, s
+
+
+def quantize(x: jax.Array, quant: str, group_k: int) -> tuple[jax.Array, jax.Array]:
+    """Dynamic quantization of a 16-bit [R, K]: scale = absmax / qmax per row or group."""
+    q, s = _ffi.call("quantize", _quant_shapes(x.shape[0], x.shape[1], quant, group_k), x, group_k=group_k)
+    return q, s

@@ -1,0 +1,120 @@
+"""The expert GEMM custom calls in their three forms: indexed gather, grouped contiguous and
+batched masked. All compute c = a' w'^T (+ bias) in float32 and round to ``out_dtype``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _ffi
+from ..weights import PackedWeight
+from .routing import IndexedRouting
+
+
+def _placeholder(dtype: Any) -> jax.Array:
+    # Stands for an absent operand; the handler ignores it (its has_* attribute is 0).
+    return jnp.zeros((1,), dtype)
+
+
+def _operands(
+    a: jax.Array, a_scale: jax.Array | None, w: PackedWeight, bias: jax.Array | None, act_group_k: int
+) -> tuple[list[jax.Array], dict[str, int]]:
+    ops = [
+        a,
+        a_scale if a_scale is not None else _placeholder(jnp.float32),
+        w.data,
+        w.scale if w.scale is not None else _placeholder(jnp.float32),
+        w.zero if w.zero is not None else _placeholder(jnp.uint8),
+        w.scale2 if w.scale2 is not None else _placeholder(jnp.float32),
+        bias if bias is not None else _placeholder(jnp.float32),
+    ]
+    attrs = dict(
+        weight_type=int(w.wtype),
+        group_n=w.group_n,
+        group_k=w.group_k,
+        has_zero=int(w.zero is not None),
+        has_scale2=int(w.scale2 is not None),
+        has_bias=int(bias is not None),
+        act_group_k=act_group_k,
+    )
+    return ops, attrs
+
+
+def gemm_indexed(
+    a: jax.Array,
+    a_scale: jax.Array | None,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    routing: IndexedRouting,
+    *,
+    rows: int,
+    gather_div: int,
+    block_m: int,
+    out_dtype: Any,
+    act_group_k: int = 0,
+) -> jax.Array:
+    """c[id] = a[id // gather_div] w[e]^T for every sorted id of every block of expert e: [rows, N]."""
+    ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    return _ffi.call(
+        "gemm_indexed",
+        jax.ShapeDtypeStruct((rows, w.n), out_dtype),
+        *ops,
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **attrs,
+        gather_div=gather_div,
+        block_m=block_m,
+    )
+
+
+def gemm_grouped(
+    a: jax.Array,
+    a_scale: jax.Array | None,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    expert_first_token_offset: jax.Array,
+    *,
+    out_dtype: Any,
+    act_group_k: int = 0,
+) -> jax.Array:
+    """Rows [off[e], off[e+1]) of a use expert e; rows past off[E] become zeros: [R, N]."""
+    ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    return _ffi.call(
+        "gemm_grouped",
+        jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
+        *ops,
+        expert_first_token_offset,
+        **attrs,
+    )
+
+
+def gemm_batched(
+    a: jax.Array,
+    a_scale: jax.Array | None,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    expert_num_tokens: jax.Array,
+    *,
+    out_dtype: Any,
+    act_group_k: int = 0,
+    out: jax.Array | None = None,
+) -> jax.Array:
+    """a [E, T, K] -> [E, T, N]; rows t >= expert_num_tokens[e] become zeros.
+
+    With ``out`` the result is written into that buffer (declared input-output alias)."""
+    ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    shape = jax.ShapeDtypeStruct((a.shape[0], a.shape[1], w.n), out_dtype)
+    if out is None:
+        return _ffi.call("gemm_batched", shape, *ops, expert_num_tokens, **attrs)
+    return _ffi.call(
+        "gemm_batched_into",
+        shape,
+        *ops,
+        expert_num_tokens,
+        out,
+        aliases={len(ops) + 1: 0},
+        **attrs,
+    )

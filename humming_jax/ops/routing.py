@@ -1,0 +1,85 @@
+"""Routing metadata custom calls (computed on the device, never read back to the host)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import _ffi
+
+
+class IndexedRouting(NamedTuple):
+    """Indexed layout: entry ids t*k+j sorted by local expert, padded per expert to block_m."""
+
+    sorted_ids: jax.Array  # [P] int32, padding = M*k
+    block_expert_ids: jax.Array  # [P / block_m] int32, -1 past the used blocks
+    num_tokens_post_padded: jax.Array  # [1] int32
+    src_rows: jax.Array  # [M, k] int32: t*k+j, or -1 where the entry is skipped
+
+
+class GroupedRouting(NamedTuple):
+    """Grouped layout: entries permuted so each local expert's rows are contiguous."""
+
+    permutation: jax.Array  # [M*k] int32: position -> t*k+j, -1 past the valid rows
+    expert_first_token_offset: jax.Array  # [E_local + 1] int32
+    src_rows: jax.Array  # [M, k] int32: position of t*k+j, or -1 where skipped
+
+
+def indexed_padded_rows(entries: int, num_local_experts: int, block_m: int) -> int:
+    """Rows of the padded sorted-id list (mirrors hj::indexed_padded_rows)."""
+    worst = entries + num_local_experts * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+def routing_indexed(
+    topk_ids: jax.Array, expert_map: jax.Array, num_local_experts: int, block_m: int
+) -> IndexedRouting:
+    m, k = topk_ids.shape
+    p = indexed_padded_rows(m * k, num_local_experts, block_m)
+    i32 = jnp.int32
+    out = _ffi.call(
+        "routing_indexed",
+        (
+            jax.ShapeDtypeStruct((p,), i32),
+            jax.ShapeDtypeStruct((p // block_m,), i32),
+            jax.ShapeDtypeStruct((1,), i32),
+            jax.ShapeDtypeStruct((m, k), i32),
+        ),
+        topk_ids,
+        expert_map,
+        num_local_experts=num_local_experts,
+        block_m=block_m,
+    )
+    return IndexedRouting(*out)
+
+
+def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array, num_local_experts: int) -> GroupedRouting:
+    m, k = topk_ids.shape
+    i32 = jnp.int32
+    out = _ffi.call(
+        "routing_grouped",
+        (
+            jax.ShapeDtypeStruct((m * k,), i32),
+            jax.ShapeDtypeStruct((num_local_experts + 1,), i32),
+            jax.ShapeDtypeStruct((m, k), i32),
+        ),
+        topk_ids,
+        expert_map,
+        num_local_experts=num_local_experts,
+    )
+    return GroupedRouting(*out)
+
+
+def permute_rows(x: jax.Array, routing: GroupedRouting, top_k: int) -> jax.Array:
+    """y[p] = x[permutation[p] // top_k] for valid positions, zeros elsewhere: [M*k, cols]."""
+    rows = routing.permutation.shape[0]
+    return _ffi.call(
+        "permute_rows",
+        jax.ShapeDtypeStruct((rows, x.shape[1]), x.dtype),
+        x,
+        routing.permutation,
+        routing.expert_first_token_offset,
+        top_k=top_k,
+    )

@@ -1,0 +1,168 @@
+"""The oracle of the expert semantics (SPEC §2), in pure jnp and float32, independent of the kernels.
+
+Rounding points follow the contract: ``gu`` (with bias) rounded to the output dtype; the
+activation rounded to the output dtype, or quantized for 8-bit activation schemes; ``d`` (with
+bias) rounded to the output dtype; the weighted sum over k accumulated in float32, then cast.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .activations import apply_activation
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+class InputQuant(NamedTuple):
+    """Dynamic activation quantization: ``kind`` "fp8" or "int8"; ``group_k`` 0 = per token."""
+
+    kind: str
+    group_k: int
+
+
+def fake_quantize(x: jax.Array, quant: InputQuant) -> jax.Array:
+    """The float32 values a kernel sees after dynamic quantization of x [..., K] (codes * scale)."""
+    v = x.astype(jnp.float32)
+    k = v.shape[-1]
+    g = quant.group_k or k
+    grouped = v.reshape(*v.shape[:-1], k // g, g)
+    qmax = 448.0 if quant.kind == "fp8" else 127.0
+    scale = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True) / jnp.float32(qmax)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    code = jnp.where(scale > 0, grouped / safe, 0.0)
+    if quant.kind == "fp8":
+        code = jnp.clip(code, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    else:
+        code = jnp.clip(jnp.round(code), -127.0, 127.0)
+    return (code * scale).reshape(v.shape)
+
+
+def _expert_mlp(
+    x: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    b13: jax.Array | None,
+    b2: jax.Array | None,
+    dtype: Any,
+    activation: str,
+    limit: float | None,
+    quant: InputQuant | None,
+) -> jax.Array:
+    """d for all rows of x through one expert: float32 values already rounded to dtype."""
+    gu = jnp.matmul(x, w13.T, precision=_HI)
+    if b13 is not None:
+        gu = gu + b13
+    gu = gu.astype(dtype).astype(jnp.float32)
+    a = apply_activation(gu, activation, limit)
+    a = fake_quantize(a, quant) if quant is not None else a.astype(dtype).astype(jnp.float32)
+    d = jnp.matmul(a, w2.T, precision=_HI)
+    if b2 is not None:
+        d = d + b2
+    return d.astype(dtype).astype(jnp.float32)
+
+
+def _prepare_x(hidden_states: jax.Array, quant: InputQuant | None) -> jax.Array:
+    x = jnp.asarray(hidden_states)
+    return fake_quantize(x, quant) if quant is not None else x.astype(jnp.float32)
+
+
+def moe_reference(
+    hidden_states: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    topk_weights: jax.Array,
+    topk_ids: jax.Array,
+    *,
+    activation: str = "silu",
+    expert_map: jax.Array | None = None,
+    b13: jax.Array | None = None,
+    b2: jax.Array | None = None,
+    activation_limit: float | None = None,
+    input_quant: InputQuant | None = None,
+) -> jax.Array:
+    """Standard-format MoE: hidden_states [M, H], w13 [E, N1, H], w2 [E, H, I] (float values,
+    e.g. ``MoEWeights.dequantize()``), topk [M, k]; returns [M, H] in hidden_states' dtype.
+
+    Ids outside [0, E_global) and ids that ``expert_map`` sends to -1 are skipped."""
+    dtype = jnp.asarray(hidden_states).dtype
+    w13 = jnp.asarray(w13, jnp.float32)
+    w2 = jnp.asarray(w2, jnp.float32)
+    num_local = w13.shape[0]
+    ids = jnp.asarray(topk_ids).astype(jnp.int32)
+    if expert_map is None:
+        expert_map = jnp.arange(num_local, dtype=jnp.int32)
+    expert_map = jnp.asarray(expert_map, jnp.int32)
+    in_range = (ids >= 0) & (ids < expert_map.shape[0])
+    local = jnp.where(in_range, expert_map[jnp.clip(ids, 0, expert_map.shape[0] - 1)], -1)
+    local = jnp.where((local >= 0) & (local < num_local), local, -1)
+    weights = jnp.asarray(topk_weights, jnp.float32)
+    x = _prepare_x(hidden_states, input_quant)
+
+    def body(acc: jax.Array, e: jax.Array) -> tuple[jax.Array, None]:
+        d = _expert_mlp(
+            x,
+            w13[e],
+            w2[e],
+            None if b13 is None else jnp.asarray(b13, jnp.float32)[e],
+            None if b2 is None else jnp.asarray(b2, jnp.float32)[e],
+            dtype,
+            activation,
+            activation_limit,
+            input_quant,
+        )
+        coef = jnp.sum(jnp.where(local == e, weights, 0.0), axis=1)  # [M]
+        return acc + coef[:, None] * d, None
+
+    acc0 = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
+    acc, _ = jax.lax.scan(body, acc0, jnp.arange(num_local))
+    return acc.astype(dtype)
+
+
+def batched_reference(
+    hidden_states: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    expert_num_tokens: jax.Array,
+    *,
+    activation: str = "silu",
+    b13: jax.Array | None = None,
+    b2: jax.Array | None = None,
+    activation_limit: float | None = None,
+    input_quant: InputQuant | None = None,
+) -> jax.Array:
+    """Batched format: hidden_states [E, T, H] -> [E, T, H]; rows t >= expert_num_tokens[e] are 0."""
+    hs = jnp.asarray(hidden_states)
+    dtype = hs.dtype
+    w13 = jnp.asarray(w13, jnp.float32)
+    w2 = jnp.asarray(w2, jnp.float32)
+    rows = []
+    for e in range(hs.shape[0]):
+        d = _expert_mlp(
+            _prepare_x(hs[e], input_quant),
+            w13[e],
+            w2[e],
+            None if b13 is None else jnp.asarray(b13, jnp.float32)[e],
+            None if b2 is None else jnp.asarray(b2, jnp.float32)[e],
+            dtype,
+            activation,
+            activation_limit,
+            input_quant,
+        )
+        live = jnp.arange(hs.shape[1]) < jnp.asarray(expert_num_tokens)[e]
+        rows.append(jnp.where(live[:, None], d, 0.0))
+    return jnp.stack(rows).astype(dtype)
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| in float64 (NaN anywhere gives inf)."""
+    g = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    w = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    if not np.all(np.isfinite(g)):
+        return float("inf")
+    denom = np.linalg.norm(w)
+    return float(np.linalg.norm(g - w) / (denom if denom > 0 else 1.0))

@@ -1,0 +1,110 @@
+"""Shared fixtures: fresh random layers on jax's default backend (the GPU where there is one)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import humming_jax as hj
+from humming_jax.activations import ACTIVATIONS
+
+BACKEND = jax.default_backend()
+
+# Relative error allowed against the oracle: a few roundings of the 16-bit dtype.
+TOL = {jnp.dtype(jnp.bfloat16): 1.2e-2, jnp.dtype(jnp.float16): 2e-3}
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"humming_jax backends: {hj._ffi.backend_report()}; jax default backend: {BACKEND}"
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A fresh generator per test; its seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("HUMMING_JAX_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
+    print(f"[{request.node.name}] seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@dataclass
+class Layer:
+    x: jax.Array
+    weights: hj.MoEWeights
+    topk_weights: jax.Array
+    topk_ids: jax.Array
+    w13: jax.Array  # dequantized float32
+    w2: jax.Array
+
+
+def random_weights(
+    rng: np.random.Generator, e: int, h: int, i: int, *, gated: bool = True, scheme: str = "bf16", bias: bool = False
+) -> hj.MoEWeights:
+    n1 = 2 * i if gated else i
+    w13 = rng.standard_normal((e, n1, h)).astype(np.float32) / np.sqrt(h)
+    w2 = rng.standard_normal((e, h, i)).astype(np.float32) / np.sqrt(i)
+    b13 = rng.standard_normal((e, n1)).astype(np.float32) * 0.1 if bias else None
+    b2 = rng.standard_normal((e, h)).astype(np.float32) * 0.1 if bias else None
+    return hj.quantize_moe_weights(w13, w2, scheme, b13=b13, b2=b2)
+
+
+def random_routing(
+    rng: np.random.Generator, m: int, k: int, e_global: int, *, pad_frac: float = 0.0, distinct: bool = True
+) -> tuple[jax.Array, jax.Array]:
+    if distinct and k <= e_global:
+        ids = np.stack([rng.choice(e_global, k, replace=False) for _ in range(m)]) if m else np.zeros((0, k))
+    else:
+        ids = rng.integers(0, e_global, (m, k))
+    ids = ids.astype(np.int32)
+    if pad_frac:
+        ids = np.where(rng.random((m, k)) < pad_frac, -1, ids).astype(np.int32)
+    w = rng.random((m, k)).astype(np.float32) + 0.1
+    w = w / w.sum(axis=1, keepdims=True) if m else w
+    return jnp.asarray(w), jnp.asarray(ids)
+
+
+def random_layer(
+    rng: np.random.Generator,
+    *,
+    m: int = 16,
+    e: int = 8,
+    h: int = 64,
+    i: int = 32,
+    k: int = 2,
+    activation: str = "silu",
+    scheme: str = "bf16",
+    bias: bool = False,
+    pad_frac: float = 0.0,
+    e_global: int | None = None,
+) -> Layer:
+    weights = random_weights(rng, e, h, i, gated=ACTIVATIONS[activation].gated, scheme=scheme, bias=bias)
+    x = jnp.asarray(rng.standard_normal((m, h)), weights.dtype)
+    tw, ids = random_routing(rng, m, k, e_global or e, pad_frac=pad_frac)
+    w13, w2 = weights.dequantize()
+    return Layer(x, weights, tw, ids, w13, w2)
+
+
+def nan_out(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+def run_standard(cls: type, layer: Layer, *, jit: bool = True, **kw: Any) -> jax.Array:
+    """Runs a standard-format class on a NaN-poisoned out."""
+    out = nan_out(layer.x.shape, layer.x.dtype)
+
+    def f(out, x, w, tw, ids):
+        return cls().apply(out, x, w, tw, ids, **kw)
+
+    f = jax.jit(f) if jit else f
+    return f(out, layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
+
+
+def reference(layer: Layer, **kw: Any) -> jax.Array:
+    from humming_jax.reference import moe_reference
+
+    return moe_reference(layer.x, layer.w13, layer.w2, layer.topk_weights, layer.topk_ids, **kw)

@@ -1,0 +1,143 @@
+"""Each custom call on its own, against NumPy/jnp definitions of its contract."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from humming_jax.activations import ACTIVATIONS, apply_activation
+from humming_jax.ops import activation as act_ops
+from humming_jax.ops import finalize as fin_ops
+from humming_jax.ops import routing as routing_ops
+from humming_jax.reference import InputQuant, fake_quantize
+
+
+def _local(ids: np.ndarray, emap: np.ndarray, e_local: int) -> np.ndarray:
+    ok = (ids >= 0) & (ids < len(emap))
+    loc = np.where(ok, emap[np.clip(ids, 0, len(emap) - 1)], -1)
+    return np.where((loc >= 0) & (loc < e_local), loc, -1)
+
+
+def _random_ids(rng, m, k, e_global):
+    ids = rng.integers(-2, e_global + 2, (m, k)).astype(np.int32)
+    emap = rng.permutation(np.r_[np.arange(e_global // 2), -np.ones(e_global - e_global // 2)]).astype(np.int32)
+    return ids, emap, e_global // 2
+
+
+@pytest.mark.parametrize("m,k,e_global,block_m", [(0, 2, 8, 16), (1, 1, 2, 16), (37, 4, 16, 16), (200, 8, 64, 32), (300, 2, 8, 64)])
+def test_routing_indexed_layout(rng, m, k, e_global, block_m):
+    ids, emap, e = _random_ids(rng, m, k, e_global)
+    r = jax.jit(routing_ops.routing_indexed, static_argnums=(2, 3))(jnp.asarray(ids), jnp.asarray(emap), e, block_m)
+    sorted_ids, blocks, ntpp, src = (np.asarray(a) for a in r)
+    local = _local(ids, emap, e).reshape(-1)
+    counts = np.bincount(local[local >= 0], minlength=e)
+    padded = -(-counts // block_m) * block_m
+    assert int(ntpp[0]) == padded.sum()
+    assert sorted_ids.shape[0] == routing_ops.indexed_padded_rows(m * k, e, block_m)
+    start = 0
+    for ex in range(e):
+        seg = sorted_ids[start : start + padded[ex]]
+        real = seg[seg < m * k]
+        assert sorted(real.tolist()) == np.flatnonzero(local == ex).tolist()
+        assert np.all(seg[len(real):] == m * k), "padding after the expert's rows"
+        assert np.all(blocks[start // block_m : (start + padded[ex]) // block_m] == ex)
+        start += padded[ex]
+    assert np.all(sorted_ids[start:] == m * k) and np.all(blocks[start // block_m :] == -1)
+    np.testing.assert_array_equal(src.reshape(-1), np.where(local >= 0, np.arange(m * k), -1))
+
+
+@pytest.mark.parametrize("m,k,e_global", [(0, 2, 8), (1, 1, 2), (37, 4, 16), (500, 8, 128)])
+def test_routing_grouped_layout_and_permute(rng, m, k, e_global):
+    ids, emap, e = _random_ids(rng, m, k, e_global)
+    r = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(emap), e)
+    perm, off, src = (np.asarray(a) for a in r)
+    local = _local(ids, emap, e).reshape(-1)
+    counts = np.bincount(local[local >= 0], minlength=e)
+    np.testing.assert_array_equal(off, np.r_[0, np.cumsum(counts)])
+    for ex in range(e):
+        assert sorted(perm[off[ex] : off[ex + 1]].tolist()) == np.flatnonzero(local == ex).tolist()
+    assert np.all(perm[off[-1]:] == -1)
+    flat_src = src.reshape(-1)
+    for i in range(m * k):
+        assert (flat_src[i] == -1) == (local[i] < 0)
+        if flat_src[i] >= 0:
+            assert perm[flat_src[i]] == i
+    x = jnp.asarray(rng.standard_normal((m, 24)), jnp.bfloat16)
+    y = np.asarray(routing_ops.permute_rows(x, r, k).astype(jnp.float32))
+    xs = np.asarray(x.astype(jnp.float32))
+    for p in range(m * k):
+        want = xs[perm[p] // k] if p < off[-1] else np.zeros(24)
+        np.testing.assert_array_equal(y[p], want)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_activation_matches_jnp(rng, name, dtype):
+    x = jnp.asarray(rng.standard_normal((33, 2 * 40)) * 3, dtype)
+    got = act_ops.activation(x, name)
+    want = apply_activation(x, name).astype(dtype)
+    # Same formula; transcendental ulps may flip a rounding of the 16-bit result.
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)), rtol=8e-3, atol=1e-3)
+
+
+def _codes(v: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
+    """The contract's codes for float32 values v [R, G, g] and scales [R, G] (NumPy, exact division)."""
+    safe = np.where(scale > 0, scale, 1.0).astype(np.float32)[:, :, None]
+    c = np.where(scale[:, :, None] > 0, v / safe, 0.0).astype(np.float32)
+    if kind == "fp8":
+        return np.clip(c, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.clip(np.rint(c), -127, 127)
+
+
+@pytest.mark.parametrize("kind,group", [("fp8", 0), ("fp8", 128), ("int8", 0)])
+def test_quantize_matches_definition(rng, kind, group):
+    x = jnp.asarray(rng.standard_normal((17, 256)) * rng.random((17, 1)) * 10, jnp.bfloat16)
+    x = x.at[3].set(0)  # an all-zero row: scale 0, codes 0
+    q, s = act_ops.quantize(x, kind, group)
+    groups = 256 // group if group else 1
+    assert s.shape == (17, groups)
+    v = np.asarray(x.astype(jnp.float32)).reshape(17, groups, -1)
+    sn = np.asarray(s)
+    np.testing.assert_allclose(sn, np.abs(v).max(-1) / (448.0 if kind == "fp8" else 127.0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)).reshape(17, groups, -1), _codes(v, sn, kind))
+    assert np.all(sn[3] == 0) and np.all(np.asarray(q.astype(jnp.float32))[3] == 0)
+
+
+@pytest.mark.parametrize("kind,group", [("fp8", 0), ("fp8", 128), ("int8", 0)])
+@pytest.mark.parametrize("name", ["silu", "swigluoai", "gelu_no_mul"])
+def test_activation_quant_is_quantized_activation(rng, kind, group, name):
+    cols = 256 if ACTIVATIONS[name].gated else 128
+    x = jnp.asarray(rng.standard_normal((9, cols)) * 2, jnp.bfloat16)
+    q, s = act_ops.activation_quant(x, name, None, kind, group)
+    groups = 128 // group if group else 1
+    v = np.asarray(apply_activation(x, name)).reshape(9, groups, -1)
+    sn = np.asarray(s)
+    np.testing.assert_allclose(sn, np.abs(v).max(-1) / (448.0 if kind == "fp8" else 127.0), rtol=1e-5)
+    codes = np.asarray(q.astype(jnp.float32)).reshape(9, groups, -1)
+    # The activation's float32 value may differ by an ulp between implementations, which can move
+    # a code by one step at a rounding boundary; almost all codes agree exactly.
+    want = _codes(v, sn, kind)
+    assert np.mean(codes == want) > 0.99
+    np.testing.assert_allclose(codes, want, rtol=0.07, atol=1.0)
+
+
+def test_finalize_weighted_sum_and_alias(rng):
+    m, k, h, rows = 11, 3, 40, 50
+    d = jnp.asarray(rng.standard_normal((rows, h)), jnp.bfloat16)
+    w = jnp.asarray(rng.random((m, k)), jnp.float32)
+    src = rng.integers(-1, rows, (m, k)).astype(np.int32)
+    src[2] = -1
+    src[4, 1] = rows + 7  # out of range: skipped
+    out = jnp.full((m, h), jnp.nan, jnp.bfloat16)
+    got = np.asarray(jax.jit(fin_ops.finalize)(d, w, jnp.asarray(src), out).astype(jnp.float32))
+    dn, wn = np.asarray(d.astype(jnp.float32)), np.asarray(w)
+    want = np.zeros((m, h), np.float32)
+    for t in range(m):
+        for j in range(k):
+            if 0 <= src[t, j] < rows:
+                want[t] += wn[t, j] * dn[src[t, j]]
+    np.testing.assert_allclose(got, np.asarray(jnp.asarray(want).astype(jnp.bfloat16).astype(jnp.float32)), rtol=1e-2, atol=1e-2)
+    assert np.all(got[2] == 0.0)

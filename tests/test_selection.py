@@ -1,0 +1,119 @@
+"""Class selection: format, explicit preference, environment variable, support checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import nan_out, random_layer
+
+import humming_jax as hj
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts
+from humming_jax.quant_keys import GroupShape, QuantKey, ScaleDesc
+from humming_jax.quantize import SCHEMES
+from humming_jax.selection import ENV_GEMM_TYPE
+
+BF16 = SCHEMES["bf16"].weight_key
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(ENV_GEMM_TYPE, raising=False)
+
+
+def test_every_class_is_reachable():
+    assert hj.select_experts(BF16, None, prefer="indexed") is IndexedExperts
+    assert hj.select_experts(BF16, None, prefer="grouped") is GroupedExperts
+    assert hj.select_experts(BF16, None, batched=True) is BatchedExperts
+    assert hj.select_experts(BF16, None, batched=True, prefer="batched") is BatchedExperts
+
+
+def test_auto_picks_a_standard_class():
+    assert hj.select_experts(BF16, None) in (IndexedExperts, GroupedExperts)
+    assert hj.select_experts(BF16, None, prefer="auto").activation_format == "standard"
+
+
+@pytest.mark.parametrize("value,cls", [("indexed", IndexedExperts), ("grouped", GroupedExperts), ("GROUPED", GroupedExperts)])
+def test_environment_variable_read_at_call_time(monkeypatch, value, cls):
+    monkeypatch.setenv(ENV_GEMM_TYPE, value)
+    assert hj.select_experts(BF16, None) is cls
+
+
+def test_explicit_preference_beats_environment(monkeypatch):
+    monkeypatch.setenv(ENV_GEMM_TYPE, "grouped")
+    assert hj.select_experts(BF16, None, prefer="indexed") is IndexedExperts
+    monkeypatch.setenv(ENV_GEMM_TYPE, "indexed")
+    assert hj.select_experts(BF16, None, prefer="grouped") is GroupedExperts
+
+
+def test_environment_does_not_affect_batched(monkeypatch):
+    monkeypatch.setenv(ENV_GEMM_TYPE, "indexed")
+    assert hj.select_experts(BF16, None, batched=True) is BatchedExperts
+
+
+def test_bad_preferences(monkeypatch):
+    with pytest.raises(ValueError, match="not one of"):
+        hj.select_experts(BF16, None, prefer="batched")
+    with pytest.raises(ValueError, match="names no batched-format class"):
+        hj.select_experts(BF16, None, batched=True, prefer="indexed")
+    monkeypatch.setenv(ENV_GEMM_TYPE, "fastest")
+    with pytest.raises(ValueError, match=ENV_GEMM_TYPE):
+        hj.select_experts(BF16, None)
+
+
+def test_rejection_says_why_for_each_candidate():
+    odd = QuantKey("int3", ScaleDesc("float32", True, GroupShape(1, 64)))
+    with pytest.raises(ValueError) as info:
+        hj.select_experts(odd, None, activation="swish")
+    msg = str(info.value)
+    assert "IndexedExperts" in msg and "GroupedExperts" in msg
+    assert "unsupported quant scheme" in msg and "int3" in msg
+    assert "unsupported activation 'swish'" in msg
+
+
+def test_named_class_that_cannot_run_is_an_error_not_a_fallback():
+    odd = QuantKey("int3", ScaleDesc("float32", True, GroupShape(1, 64)))
+    with pytest.raises(ValueError, match="preference 'grouped'"):
+        hj.select_experts(odd, None, prefer="grouped")
+
+
+def test_supports_device():
+    for cls in (IndexedExperts, GroupedExperts, BatchedExperts):
+        assert cls.supports_device(jax.devices("cpu")[0])
+        assert cls.supports_device()  # the default device (CPU here, the GPU there)
+        assert not cls.supports_device("tpu")
+
+
+def test_supports_quant_scheme_and_activation():
+    for cls in (IndexedExperts, GroupedExperts, BatchedExperts):
+        for scheme in SCHEMES.values():
+            assert cls.supports_quant_scheme(scheme.weight_key, scheme.act_key), scheme.name
+        assert not cls.supports_quant_scheme(BF16, SCHEMES["w8a8-fp8-block128"].act_key)
+        assert cls.supports_activation("swigluoai") and not cls.supports_activation("tanh")
+
+
+@pytest.mark.parametrize("gemm_type", ["indexed", "grouped", "auto", None])
+def test_fused_moe_runs_every_choice(rng, monkeypatch, gemm_type):
+    layer = random_layer(rng, m=8, e=4, h=32, i=16, k=2)
+    from conftest import reference
+    from humming_jax.reference import relative_error
+
+    got = hj.fused_moe(layer.x, layer.weights, layer.topk_weights, layer.topk_ids, gemm_type=gemm_type)
+    assert relative_error(got, reference(layer)) < 1.2e-2
+
+
+def test_fused_moe_uses_the_environment(rng, monkeypatch):
+    # The chosen class shows in the compiled program: grouped permutes rows, indexed does not.
+    layer = random_layer(rng, m=8, e=4, h=32, i=16, k=2)
+    # fused_moe reads the variable when it is traced; jit caches traces per function, so each
+    # setting gets its own function here.
+    def f():
+        return lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids)
+
+    monkeypatch.setenv(ENV_GEMM_TYPE, "grouped")
+    grouped = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
+    monkeypatch.setenv(ENV_GEMM_TYPE, "indexed")
+    indexed = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
+    assert "humming_jax.permute_rows" in grouped and "humming_jax.gemm_grouped" in grouped
+    assert "humming_jax.routing_indexed" in indexed and "permute_rows" not in indexed

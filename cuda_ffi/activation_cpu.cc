@@ -27,6 +27,10 @@ void activation_row(Activation act, float limit, ElemType xt, const void* x, int
 // Quantizes v[0, K) of row r into q/scale with groups of group_k columns (0: the whole row).
 void quantize_row(ActQuant kind, const float* v, int64_t K, int64_t group_k, int64_t r, void* q, float* scale) {
   const int64_t gk = group_k > 0 ? group_k : K;
+  if (gk == 0) {  // K = 0: one empty group, scale 0
+    scale[r] = 0.0f;
+    return;
+  }
   const int64_t groups = K / gk;
   const ElemType qt = kind == ActQuant::kFp8E4M3 ? ElemType::kE4M3 : ElemType::kI8;
   for (int64_t g = 0; g < groups; ++g) {
@@ -42,9 +46,7 @@ Error ActivationCpu(AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float 
   const std::string call = "activation";
   ActivationShape s;
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "y", *y, {s.R, s.I}));
-  if (y->element_type() != x.element_type()) return invalid(call, "y must have the dtype of x");
-  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("y", *y)}, {span_of("x", x)}));
+  HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
   const ElemType t = elem_type_of(x.element_type());
   const Activation act = static_cast<Activation>(activation);
   parallel_for(s.R, s.N1 * 8, [&](int64_t r) {
@@ -61,8 +63,7 @@ Error ActivationQuantCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> sca
   ActivationShape s;
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   ActQuant kind;
-  HJ_RETURN_IF_ERROR(check_quant_outputs(call, *q, *scale, s.R, s.I, group_k, &kind));
-  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("q", *q), span_of("scale", *scale)}, {span_of("x", x)}));
+  HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, s.R, s.I, group_k, &kind));
   const ElemType t = elem_type_of(x.element_type());
   const Activation act = static_cast<Activation>(activation);
   float* sc = static_cast<float*>(scale->untyped_data());
@@ -76,12 +77,10 @@ Error ActivationQuantCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> sca
 
 Error QuantizeCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
   const std::string call = "quantize";
-  HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
-  HJ_RETURN_IF_ERROR(expect_16bit(call, "x", x));
-  const int64_t R = dim(x, 0), K = dim(x, 1);
+  int64_t R = 0, K = 0;
+  HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &R, &K));
   ActQuant kind;
-  HJ_RETURN_IF_ERROR(check_quant_outputs(call, *q, *scale, R, K, group_k, &kind));
-  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("q", *q), span_of("scale", *scale)}, {span_of("x", x)}));
+  HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, R, K, group_k, &kind));
   const ElemType t = elem_type_of(x.element_type());
   float* sc = static_cast<float*>(scale->untyped_data());
   parallel_for(R, K * 4, [&](int64_t r) {

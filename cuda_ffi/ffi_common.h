@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 #include <initializer_list>
 #include <string>
 #include <type_traits>
@@ -537,6 +538,127 @@ inline Error check_finalize(const std::string& call, const AnyBuffer& d, const A
   if (dim(w, 0) != dim(out, 0)) return invalid(call, "topk_weights rows must match out rows");
   HJ_RETURN_IF_ERROR(expect_shape(call, "src_rows", src_rows, {dim(w, 0), dim(w, 1)}));
   HJ_RETURN_IF_ERROR(expect_s32(call, "src_rows", src_rows));
+  return Error::Success();
+}
+
+
+// --- Result checks shared by both platforms (each handler runs them before touching memory). --
+
+// routing_indexed: sorted_ids [P], block_expert_ids [P / block_m], num_tokens_post_padded [1],
+// src_rows [M, k], all int32 and apart from the inputs. Entry ids and padded row counts must fit
+// int32, since the ids are stored as int32.
+inline Error check_routing_indexed_outputs(const std::string& call, const RoutingShape& s, int64_t block_m,
+                                           const AnyBuffer& topk_ids, const AnyBuffer& expert_map,
+                                           const AnyBuffer& sorted_ids, const AnyBuffer& block_expert_ids,
+                                           const AnyBuffer& ntpp, const AnyBuffer& src_rows, int64_t* padded) {
+  if (block_m <= 0) return invalid(call, "block_m must be positive");
+  const int64_t entries = s.M * s.top_k;
+  const int64_t P = indexed_padded_rows(entries, s.num_local, block_m);
+  if (P > INT32_MAX) return invalid(call, "M * top_k plus per-expert padding exceeds int32 row ids");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "sorted_ids", sorted_ids, {P}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "sorted_ids", sorted_ids));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "block_expert_ids", block_expert_ids, {P / block_m}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "block_expert_ids", block_expert_ids));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "num_tokens_post_padded", ntpp, {1}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "num_tokens_post_padded", ntpp));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "src_rows", src_rows, {s.M, s.top_k}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "src_rows", src_rows));
+  *padded = P;
+  return check_no_overlap(
+      call,
+      {span_of("sorted_ids", sorted_ids), span_of("block_expert_ids", block_expert_ids),
+       span_of("num_tokens_post_padded", ntpp), span_of("src_rows", src_rows)},
+      {span_of("topk_ids", topk_ids), span_of("expert_map", expert_map)});
+}
+
+// routing_grouped: permutation [M * k], expert_first_token_offset [E + 1], src_rows [M, k].
+inline Error check_routing_grouped_outputs(const std::string& call, const RoutingShape& s,
+                                           const AnyBuffer& topk_ids, const AnyBuffer& expert_map,
+                                           const AnyBuffer& permutation, const AnyBuffer& offsets,
+                                           const AnyBuffer& src_rows) {
+  const int64_t entries = s.M * s.top_k;
+  if (entries > INT32_MAX) return invalid(call, "M * top_k exceeds int32 positions");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "permutation", permutation, {entries}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "expert_first_token_offset", offsets, {s.num_local + 1}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "src_rows", src_rows, {s.M, s.top_k}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "src_rows", src_rows));
+  return check_no_overlap(
+      call,
+      {span_of("permutation", permutation), span_of("expert_first_token_offset", offsets),
+       span_of("src_rows", src_rows)},
+      {span_of("topk_ids", topk_ids), span_of("expert_map", expert_map)});
+}
+
+// permute_rows: x [M, cols], permutation [R = M * top_k], offsets [E + 1] -> y [R, cols].
+struct PermuteShape {
+  int64_t M, cols, R, num_offsets;
+};
+
+inline Error check_permute_rows(const std::string& call, const AnyBuffer& x, const AnyBuffer& permutation,
+                                const AnyBuffer& offsets, const AnyBuffer& y, int64_t top_k, PermuteShape* s) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_first_token_offset", offsets, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
+  if (dim(offsets, 0) < 1) return invalid(call, "expert_first_token_offset must not be empty");
+  if (top_k <= 0) return invalid(call, "top_k must be positive");
+  s->M = dim(x, 0);
+  s->cols = dim(x, 1);
+  s->R = dim(permutation, 0);
+  s->num_offsets = dim(offsets, 0);
+  if (s->R != s->M * top_k) return invalid(call, "permutation must have M * top_k entries");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {s->R, s->cols}));
+  if (y.element_type() != x.element_type()) return invalid(call, "y must have the dtype of x");
+  return check_no_overlap(call, {span_of("y", y)},
+                          {span_of("x", x), span_of("permutation", permutation),
+                           span_of("expert_first_token_offset", offsets)});
+}
+
+// activation: y [R, I] in x's dtype, apart from x.
+inline Error check_activation_output(const std::string& call, const AnyBuffer& x, const AnyBuffer& y,
+                                     const ActivationShape& s) {
+  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {s.R, s.I}));
+  if (y.element_type() != x.element_type()) return invalid(call, "y must have the dtype of x");
+  return check_no_overlap(call, {span_of("y", y)}, {span_of("x", x)});
+}
+
+// activation_quant / quantize: q [R, K] and scale [R, groups], apart from x and from each other.
+inline Error check_quant_results(const std::string& call, const AnyBuffer& x, const AnyBuffer& q,
+                                 const AnyBuffer& scale, int64_t R, int64_t K, int64_t group_k, ActQuant* kind) {
+  HJ_RETURN_IF_ERROR(check_quant_outputs(call, q, scale, R, K, group_k, kind));
+  return check_no_overlap(call, {span_of("q", q), span_of("scale", scale)}, {span_of("x", x)});
+}
+
+// quantize: x [R, K] 16-bit.
+inline Error check_quantize_input(const std::string& call, const AnyBuffer& x, int64_t* R, int64_t* K) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
+  HJ_RETURN_IF_ERROR(expect_16bit(call, "x", x));
+  *R = dim(x, 0);
+  *K = dim(x, 1);
+  return Error::Success();
+}
+
+// finalize: the result has out's shape and is apart from d, topk_weights and src_rows (it may
+// share out's buffer: that is the declared alias).
+inline Error check_finalize_result(const std::string& call, const AnyBuffer& d, const AnyBuffer& w,
+                                   const AnyBuffer& src_rows, const AnyBuffer& out, const AnyBuffer& result) {
+  HJ_RETURN_IF_ERROR(check_finalize(call, d, w, src_rows, out));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "result", result, {dim(out, 0), dim(out, 1)}));
+  if (result.element_type() != out.element_type()) return invalid(call, "result must have the dtype of out");
+  return check_no_overlap(call, {span_of("result", result)},
+                          {span_of("d", d), span_of("topk_weights", w), span_of("src_rows", src_rows)});
+}
+
+// gemm_batched_into: the aliased operand `out` matches the result exactly.
+inline Error check_batched_into_out(const std::string& call, const AnyBuffer& out, const AnyBuffer& c) {
+  if (out.dimensions().size() != c.dimensions().size() || out.element_type() != c.element_type() ||
+      out.size_bytes() != c.size_bytes())
+    return invalid(call, "out must match the result in shape and dtype");
+  for (size_t i = 0; i < out.dimensions().size(); ++i)
+    if (out.dimensions()[i] != c.dimensions()[i]) return invalid(call, "out must match the result in shape and dtype");
   return Error::Success();
 }
 

@@ -11,11 +11,7 @@ namespace {
 
 Error FinalizeCpu(AnyBuffer d, AnyBuffer topk_weights, AnyBuffer src_rows, AnyBuffer out, Result<AnyBuffer> result) {
   const std::string call = "finalize";
-  HJ_RETURN_IF_ERROR(check_finalize(call, d, topk_weights, src_rows, out));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "result", *result, {dim(out, 0), dim(out, 1)}));
-  HJ_RETURN_IF_ERROR(check_no_overlap(
-      call, {span_of("result", *result)},
-      {span_of("d", d), span_of("topk_weights", topk_weights), span_of("src_rows", src_rows)}));
+  HJ_RETURN_IF_ERROR(check_finalize_result(call, d, topk_weights, src_rows, out, *result));
   const int64_t M = dim(out, 0), H = dim(out, 1), k = dim(topk_weights, 1), Rd = dim(d, 0);
   const ElemType t = elem_type_of(d.element_type());
   const float* w = static_cast<const float*>(topk_weights.untyped_data());

@@ -148,9 +148,7 @@ Error GemmBatchedIntoCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyB
                          Result<AnyBuffer> c, int64_t weight_type, int64_t group_n, int64_t group_k,
                          int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
   const std::string call = "gemm_batched_into";
-  if (out.dimensions().size() != c->dimensions().size() || out.element_type() != c->element_type() ||
-      out.size_bytes() != c->size_bytes())
-    return invalid(call, "out must match the result in shape and dtype");
+  HJ_RETURN_IF_ERROR(check_batched_into_out(call, out, *c));
   return gemm_batched_impl(call, a, a_scale, qweight, scale, zero, scale2, bias, counts, *c,
                            gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
                                       act_group_k));

@@ -14,18 +14,10 @@ Error RoutingIndexedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuff
   const std::string call = "routing_indexed";
   RoutingShape s;
   HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
-  if (block_m <= 0) return invalid(call, "block_m must be positive");
+  int64_t P = 0;
+  HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
+                                                   *block_expert_ids, *ntpp, *src_rows, &P));
   const int64_t entries = s.M * s.top_k;
-  const int64_t P = indexed_padded_rows(entries, s.num_local, block_m);
-  HJ_RETURN_IF_ERROR(expect_shape(call, "sorted_ids", *sorted_ids, {P}));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "block_expert_ids", *block_expert_ids, {P / block_m}));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "num_tokens_post_padded", *ntpp, {1}));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "src_rows", *src_rows, {s.M, s.top_k}));
-  HJ_RETURN_IF_ERROR(check_no_overlap(
-      call,
-      {span_of("sorted_ids", *sorted_ids), span_of("block_expert_ids", *block_expert_ids),
-       span_of("num_tokens_post_padded", *ntpp), span_of("src_rows", *src_rows)},
-      {span_of("topk_ids", topk_ids), span_of("expert_map", expert_map)}));
 
   const int32_t* ids = static_cast<const int32_t*>(topk_ids.untyped_data());
   const int32_t* map = static_cast<const int32_t*>(expert_map.untyped_data());
@@ -60,15 +52,9 @@ Error RoutingGroupedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuff
   const std::string call = "routing_grouped";
   RoutingShape s;
   HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
+  HJ_RETURN_IF_ERROR(
+      check_routing_grouped_outputs(call, s, topk_ids, expert_map, *permutation, *offsets, *src_rows));
   const int64_t entries = s.M * s.top_k;
-  HJ_RETURN_IF_ERROR(expect_shape(call, "permutation", *permutation, {entries}));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "expert_first_token_offset", *offsets, {s.num_local + 1}));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "src_rows", *src_rows, {s.M, s.top_k}));
-  HJ_RETURN_IF_ERROR(check_no_overlap(
-      call,
-      {span_of("permutation", *permutation), span_of("expert_first_token_offset", *offsets),
-       span_of("src_rows", *src_rows)},
-      {span_of("topk_ids", topk_ids), span_of("expert_map", expert_map)}));
 
   const int32_t* ids = static_cast<const int32_t*>(topk_ids.untyped_data());
   const int32_t* map = static_cast<const int32_t*>(expert_map.untyped_data());
@@ -100,19 +86,9 @@ Error RoutingGroupedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuff
 Error PermuteRowsCpu(AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets, Result<AnyBuffer> y,
                      int64_t top_k) {
   const std::string call = "permute_rows";
-  HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_first_token_offset", offsets, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
-  if (top_k <= 0) return invalid(call, "top_k must be positive");
-  const int64_t M = dim(x, 0), cols = dim(x, 1), R = dim(permutation, 0);
-  if (R != M * top_k) return invalid(call, "permutation must have M * top_k entries");
-  HJ_RETURN_IF_ERROR(expect_shape(call, "y", *y, {R, cols}));
-  if (y->element_type() != x.element_type()) return invalid(call, "y must have the dtype of x");
-  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("y", *y)},
-                                      {span_of("x", x), span_of("permutation", permutation),
-                                       span_of("expert_first_token_offset", offsets)}));
+  PermuteShape ps;
+  HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &ps));
+  const int64_t cols = ps.cols, R = ps.R;
   const int32_t* perm = static_cast<const int32_t*>(permutation.untyped_data());
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
   int64_t valid = off[dim(offsets, 0) - 1];

@@ -11,7 +11,8 @@ from . import _ffi
 
 _ffi.register_all()
 
-from . import experts, reference  # noqa: E402
+from . import experts, reference, schemas  # noqa: E402
+from .conversion import convert_to_kernel_format  # noqa: E402
 from .experts import BatchedExperts, GroupedExperts, IndexedExperts  # noqa: E402
 from .fused_moe import fused_moe  # noqa: E402
 from .quant_keys import GroupShape, QuantKey, ScaleDesc  # noqa: E402
@@ -31,11 +32,13 @@ __all__ = [
     "QuantKey",
     "SCHEMES",
     "ScaleDesc",
+    "convert_to_kernel_format",
     "cuda_available",
     "experts",
     "fused_moe",
     "quantize_moe_weights",
     "reference",
+    "schemas",
     "select_experts",
 ]
 

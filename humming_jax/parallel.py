@@ -31,7 +31,9 @@ Numerics against single-device ``fused_moe`` (same weights, routing, CPU or CUDA
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -43,6 +45,7 @@ from .activations import ActivationCode, get_activation
 from .experts import BatchedExperts
 from .fused_moe import fused_moe
 from .ops import finalize as fin_ops
+from .selection import ENV_GEMM_TYPE
 from .weights import MoEWeights, PackedWeight
 
 MODES = ("allgather", "all_to_all")
@@ -189,18 +192,32 @@ def ep_moe(
         raise ValueError(f"{e} experts do not split evenly over mesh axis {axis!r} of size {n}")
     if expert_capacity is not None and (mode != "all_to_all" or int(expert_capacity) < 1):
         raise ValueError("expert_capacity is a positive row count, used by mode='all_to_all' only")
-    tw = jnp.asarray(topk_weights, jnp.float32)
     ids = jnp.asarray(topk_ids)
     if jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(f"topk_ids must be int32, got {jnp.dtype(ids.dtype).name}")
     if hidden_states.shape[0] == 0:
         return jnp.zeros(hidden_states.shape, hidden_states.dtype)
-    x, tw, ids, m = _pad_tokens(hidden_states, tw, ids, n)
-    common = dict(axis=axis, n=n, e_global=e, activation=activation, limit=activation_limit)
+    if gemm_type is None:  # read now, as fused_moe would: the jitted core caches its trace
+        gemm_type = os.environ.get(ENV_GEMM_TYPE) or None
+    return _ep_moe(
+        hidden_states, weights, jnp.asarray(topk_weights, jnp.float32), ids, mesh=mesh, axis=axis, mode=mode,
+        activation=activation, limit=activation_limit, gemm_type=gemm_type, capacity=expert_capacity,
+    )
+
+
+@partial(jax.jit, static_argnames=("mesh", "axis", "mode", "activation", "limit", "gemm_type", "capacity"))
+def _ep_moe(
+    x: jax.Array, weights: MoEWeights, tw: jax.Array, ids: jax.Array, *, mesh: Mesh, axis: str, mode: str,
+    activation: str, limit: float | None, gemm_type: str | None, capacity: int | None,
+) -> jax.Array:
+    # Jitted so that eager callers run one compiled program (inlined under an outer jit).
+    n = int(mesh.shape[axis])
+    x, tw, ids, m = _pad_tokens(x, tw, ids, n)
+    common = dict(axis=axis, n=n, e_global=weights.num_experts, activation=activation, limit=limit)
     if mode == "allgather":
         body = _allgather_body(gemm_type=gemm_type, **common)
     else:
-        body = _all_to_all_body(capacity=expert_capacity, **common)
+        body = _all_to_all_body(capacity=capacity, **common)
     tok = P(axis)
     out = _run_sharded(body, mesh, (tok, tok, tok, _leaf_specs(weights, P(axis))), tok, x, tw, ids, weights)
     return out[:m] if out.shape[0] != m else out
@@ -436,8 +453,20 @@ def tp_moe(
             f"these weights were split for {weights.layout!r}"
         )
     get_activation(activation, activation_limit)
-    tw = jnp.asarray(topk_weights, jnp.float32)
-    limit = activation_limit
+    if gemm_type is None:
+        gemm_type = os.environ.get(ENV_GEMM_TYPE) or None
+    return _tp_moe(
+        hidden_states, weights.weights, jnp.asarray(topk_weights, jnp.float32), topk_ids, mesh=mesh, axis=axis,
+        activation=activation, limit=activation_limit, gemm_type=gemm_type,
+    )
+
+
+@partial(jax.jit, static_argnames=("mesh", "axis", "activation", "limit", "gemm_type"))
+def _tp_moe(
+    x: jax.Array, weights: MoEWeights, tw: jax.Array, ids: jax.Array, *, mesh: Mesh, axis: str, activation: str,
+    limit: float | None, gemm_type: str | None,
+) -> jax.Array:
+    n = int(mesh.shape[axis])
 
     def body(x: jax.Array, tw: jax.Array, ids: jax.Array, w: MoEWeights) -> jax.Array:
         w = _local_tp(w, n)
@@ -446,5 +475,5 @@ def tp_moe(
         part = fused_moe(x, w, tw, ids, activation=activation, gemm_type=gemm_type, activation_limit=limit)
         return jax.lax.psum(part.astype(jnp.float32), axis).astype(x.dtype)
 
-    specs = (P(), P(), P(), _tp_specs(weights.weights, axis))
-    return _run_sharded(body, mesh, specs, P(), hidden_states, tw, topk_ids, weights.weights)
+    specs = (P(), P(), P(), _tp_specs(weights, axis))
+    return _run_sharded(body, mesh, specs, P(), x, tw, ids, weights)

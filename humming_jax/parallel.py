@@ -12,14 +12,15 @@ sharded operands would get an implicit all-gather, SPEC §7). Three layouts:
   ``expert_num_tokens``, runs through ``BatchedExperts`` and travels back; the finalize custom
   call combines it with the router weights on the token's own device.
 - ``tp_moe`` (few large experts): I sharded, each device computes partial outputs from its slice
-  of every expert, one ``psum``.
+  of every expert, one ``psum`` (float32, or the output dtype on two devices).
 
 Numerics against single-device ``fused_moe`` (same weights, routing, CPU or CUDA backend):
 
 - all_to_all: bitwise equal. Each d row is computed by the same GEMM loops and rounded once to
   the output dtype; the weighted sum over k runs in the same finalize kernel, in increasing j.
 - allgather: each device rounds its partial sum (its local experts' terms) to the output dtype
-  before the cross-device sum (float32, then one cast). A token whose valid experts all live on
+  before the cross-device sum (float32, then one cast; two partials are summed in the output
+  dtype, which rounds the same way). A token whose valid experts all live on
   one device is bitwise equal; otherwise the error is bounded by the extra rounding of the
   partials, |ep - single| <= 2^-8 * sum_devices |partial| (bf16; 2^-11 for fp16) elementwise.
 - tp: each device rounds gu, the activation, its partial d and its weighted partial sum to the
@@ -125,6 +126,13 @@ def _bucket(keys: jax.Array, num_buckets: int, capacity: int) -> tuple[jax.Array
     rank_sorted = jnp.arange(r, dtype=jnp.int32) - starts[keys[order]]
     pos = jnp.zeros((r,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
     return src, counts, pos
+
+
+def _reduce_dtype(n: int, dtype: Any) -> Any:
+    """The dtype partial outputs are summed in across devices. Two 16-bit partials summed in
+    the collective round once, exactly as a float32 sum then a cast would (half the bytes);
+    more partials go through float32 so the result sees one rounding, not one per step."""
+    return dtype if n == 2 else jnp.float32
 
 
 def _with_zero_row(x: jax.Array) -> jax.Array:
@@ -233,9 +241,8 @@ def _allgather_body(*, axis: str, n: int, e_global: int, activation: str, limit:
             x_all, w, tw_all, ids_all, activation=activation, expert_map=emap, gemm_type=gemm_type,
             activation_limit=limit,
         )
-        # float32 sum of the rounded partials: one more rounding, not one per device.
-        red = jax.lax.psum_scatter(part.astype(jnp.float32), axis, scatter_dimension=0, tiled=True)
-        return red.astype(x.dtype)
+        part = part.astype(_reduce_dtype(n, x.dtype))
+        return jax.lax.psum_scatter(part, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
 
     return body
 
@@ -473,7 +480,7 @@ def _tp_moe(
         if w.b2 is not None:  # b2 belongs to the sum once, not once per device
             w = replace(w, b2=jnp.where(jax.lax.axis_index(axis) == 0, w.b2, 0.0))
         part = fused_moe(x, w, tw, ids, activation=activation, gemm_type=gemm_type, activation_limit=limit)
-        return jax.lax.psum(part.astype(jnp.float32), axis).astype(x.dtype)
+        return jax.lax.psum(part.astype(_reduce_dtype(n, x.dtype)), axis).astype(x.dtype)
 
     specs = (P(), P(), P(), _tp_specs(weights, axis))
     return _run_sharded(body, mesh, specs, P(), x, tw, ids, weights)

@@ -163,6 +163,20 @@ def ep_all_to_all_bitwise(n: int) -> None:
 
 
 @check
+def ep_all_to_all_worst_case_load(n: int) -> None:
+    """Every routed row of the layer goes to one device, most of them to one expert: the padded
+    capacities (per destination and per expert) must hold them all."""
+    x, w, tw, _ = ep_layer(n, 20)
+    m, k = tw.shape
+    rng = np.random.default_rng(20)
+    ids = np.full((m, k), 2, np.int32)  # expert 2 lives on device 1
+    ids[rng.random((m, k)) < 0.2] = 3
+    ids = jnp.asarray(ids)
+    want = single_device(hj.fused_moe, x, w, tw, ids)
+    bitwise(run_ep(x, w, tw, ids, mesh_of(n), "all_to_all"), want, "all_to_all with every row on one device")
+
+
+@check
 def ep_allgather_within_rounding(n: int) -> None:
     x, w, tw, ids = ep_layer(n, 2)
     assert_edge_cases_present(np.asarray(ids), n, w.num_experts)

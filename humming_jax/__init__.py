@@ -12,6 +12,7 @@ from . import _ffi
 _ffi.register_all()
 
 from . import experts, reference, schemas  # noqa: E402
+from . import parallel  # noqa: E402
 from .conversion import convert_to_kernel_format  # noqa: E402
 from .experts import BatchedExperts, GroupedExperts, IndexedExperts  # noqa: E402
 from .fused_moe import fused_moe  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "cuda_available",
     "experts",
     "fused_moe",
+    "parallel",
     "quantize_moe_weights",
     "reference",
     "schemas",

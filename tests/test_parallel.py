@@ -185,6 +185,15 @@ def ep_allgather_within_rounding(n: int) -> None:
 
 
 @check
+def ep_on_two_devices(n: int) -> None:
+    """A two-device sub-mesh (partials summed in the output dtype) in both modes."""
+    x, w, tw, ids = ep_layer(2, 21)
+    mesh = mesh_of(2)
+    bitwise(run_ep(x, w, tw, ids, mesh, "all_to_all"), single_device(hj.fused_moe, x, w, tw, ids), "2 devices all_to_all")
+    check_allgather(run_ep(x, w, tw, ids, mesh, "allgather"), x, w, tw, ids, 2)
+
+
+@check
 def ep_quantized_schemes(n: int) -> None:
     """int4 group-128 weights, and fp8 block weights with fp8 per-group activations."""
     for seed, scheme in ((3, "w4a16-int4-g128"), (4, "w8a8-fp8-block128")):

@@ -16,8 +16,11 @@ sharded operands would get an implicit all-gather, SPEC §7). Three layouts:
 
 Numerics against single-device ``fused_moe`` (same weights, routing, CPU or CUDA backend):
 
-- all_to_all: bitwise equal. Each d row is computed by the same GEMM loops and rounded once to
-  the output dtype; the weighted sum over k runs in the same finalize kernel, in increasing j.
+- all_to_all: bitwise equal on the CPU backend. Each d row is rounded once to the output dtype,
+  by GEMM loops shared by the batched and standard forms; the weighted sum over k runs in the
+  same finalize kernel, in increasing j. On CUDA the batched and indexed GEMMs share one kernel
+  template; where their tiles accumulate K in another order, the result is within the rounding
+  of d instead.
 - allgather: each device rounds its partial sum (its local experts' terms) to the output dtype
   before the cross-device sum (float32, then one cast; two partials are summed in the output
   dtype, which rounds the same way). A token whose valid experts all live on

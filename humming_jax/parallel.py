@@ -21,11 +21,11 @@ Numerics against single-device ``fused_moe`` (same weights, routing, CPU or CUDA
   same finalize kernel, in increasing j. On CUDA the batched and indexed GEMMs share one kernel
   template; where their tiles accumulate K in another order, the result is within the rounding
   of d instead.
-- allgather: each device rounds its partial sum (its local experts' terms) to the output dtype
-  before the cross-device sum (float32, then one cast; two partials are summed in the output
-  dtype, which rounds the same way). A token whose valid experts all live on
-  one device is bitwise equal; otherwise the error is bounded by the extra rounding of the
-  partials, |ep - single| <= 2^-8 * sum_devices |partial| (bf16; 2^-11 for fp16) elementwise.
+- allgather: within rounding. Each device rounds its partial sum (its local experts' terms) to
+  the output dtype before the cross-device sum (float32, then one cast; two partials are summed
+  in the output dtype, which rounds the same way). A token whose valid experts all live on one
+  device is bitwise equal; elsewhere the extra rounding of the partials bounds the difference
+  elementwise by 2^-8 * (sum over devices of |partial| + |single|) in bf16 (2^-11 in fp16).
 - tp: each device rounds gu, the activation, its partial d and its weighted partial sum to the
   output dtype, so the result differs from single-device by rounding (a few ulps of the terms;
   the tests hold it to a relative error of 1e-2 in bf16). For 8-bit activation schemes with one
@@ -50,7 +50,7 @@ from .experts import BatchedExperts
 from .fused_moe import fused_moe
 from .ops import finalize as fin_ops
 from .selection import ENV_GEMM_TYPE
-from .weights import MoEWeights, PackedWeight
+from .weights import MoEWeights
 
 MODES = ("allgather", "all_to_all")
 
@@ -295,9 +295,6 @@ def _all_to_all_body(*, axis: str, n: int, e_global: int, activation: str, limit
 
 
 # --- tensor parallelism -----------------------------------------------------------------------
-_LAYOUTS = ("gate_up", "interleaved", "single")
-
-
 def _layout_of(activation: str) -> str:
     spec, _ = get_activation(activation)
     if not spec.gated:
@@ -346,11 +343,13 @@ def _shard_major_rows(a: jax.Array, n: int, layout: str) -> jax.Array:
     return jnp.swapaxes(halves, 1, 2).reshape(a.shape)
 
 
-def _check_split(what: str, size: int, n: int, group: int, layout_halves: int = 1) -> None:
-    per = size // layout_halves
+def _check_split(what: str, size: int, n: int, group: int, halves: int = 1) -> None:
+    """Each of the ``halves`` parts of a dimension of ``size`` splits into n slices, and a scale
+    grid with more than one entry along it (group < size) splits at group boundaries."""
+    per = size // halves
     if per % n:
         raise ValueError(f"{what}: {per} does not split over {n} devices")
-    if group < per and (per // n) % group:
+    if group < size and (per // n) % group:
         raise ValueError(f"{what}: the slice of {per // n} per device is not a multiple of the group size {group}")
 
 
@@ -372,8 +371,8 @@ def shard_moe_weights_tp(weights: MoEWeights, mesh: Mesh, axis: str = "tp", *, a
         raise ValueError(f"intermediate size I = {i} does not split over mesh axis {axis!r} of size {n}")
     w13, w2 = weights.w13, weights.w2
     row_halves = 2 if layout == "gate_up" else 1
-    _check_split("w13 rows", w13.n, n, w13.group_n if w13.group_n < w13.n else w13.n, row_halves)
-    _check_split("w2 columns", w2.k, n, w2.group_k if w2.group_k < w2.k else w2.k)
+    _check_split("w13 rows", w13.n, n, w13.group_n, row_halves)
+    _check_split("w2 columns", w2.k, n, w2.group_k)
     if w2.data.shape[2] % n:
         raise ValueError(f"w2's packed columns ({w2.data.shape[2]} bytes) do not split over {n} devices")
 
@@ -445,7 +444,7 @@ def tp_moe(
     gemm_type: str | None = None,
 ) -> jax.Array:
     """Tensor-parallel MoE: every device runs all experts on its slice of I and one ``psum``
-    (float32) adds the partial outputs. Tokens and routing are replicated over ``axis``; so is
+    (float32; the output dtype on two devices) adds the partial outputs. Tokens and routing are replicated over ``axis``; so is
     the result [M, H]. ``weights`` come from ``shard_moe_weights_tp`` with the same mesh, axis
     and activation layout. Differs from single-device ``fused_moe`` by rounding (module
     docstring). Works under jit."""

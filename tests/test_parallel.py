@@ -436,6 +436,8 @@ def errors_are_clear(n: int) -> None:
     wt = par.shard_moe_weights_tp(w_even, mesh, "ep")
     raises(ValueError, "layout", lambda: par.tp_moe(x, wt, tw, ids, mesh=mesh, axis="ep", activation="swigluoai"))
     raises(ValueError, "does not split", lambda: par.shard_moe_weights_tp(weights_for(rng, 2, 64, n + 1), mesh, "ep"))
+    fp8_block = weights_for(rng, 2, 128, 128, scheme="w8a16-fp8-block128")  # I / n < one 128-group
+    raises(ValueError, "group size 128", lambda: par.shard_moe_weights_tp(fp8_block, mesh, "ep"))
 
 
 # --- the worker and the tests --------------------------------------------------------------

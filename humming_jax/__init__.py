@@ -2,7 +2,9 @@
 
 The public API: ``quantize_moe_weights`` / ``convert_to_kernel_format`` -> ``MoEWeights``;
 ``fused_moe`` (standard format, automatic class selection); the expert classes in
-``humming_jax.experts``; ``select_experts``; the oracle in ``humming_jax.reference``.
+``humming_jax.experts``; ``select_experts``; the oracle in ``humming_jax.reference``;
+``load_moe_layer`` (safetensors checkpoints, ``humming_jax.checkpoint``). The Flax layer lives in
+``humming_jax.flax`` and is imported only on request (Flax is optional).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from . import _ffi
 _ffi.register_all()
 
 from . import experts, reference, schemas  # noqa: E402
+from .checkpoint import load_moe_layer  # noqa: E402  (safetensors is imported on first use)
 from . import parallel  # noqa: E402
 from .conversion import convert_to_kernel_format  # noqa: E402
 from .experts import BatchedExperts, GroupedExperts, IndexedExperts  # noqa: E402
@@ -37,6 +40,7 @@ __all__ = [
     "cuda_available",
     "experts",
     "fused_moe",
+    "load_moe_layer",
     "parallel",
     "quantize_moe_weights",
     "reference",

@@ -516,9 +516,10 @@ def _merge(suffix: str, g: np.ndarray, u: np.ndarray, gname: str, uname: str, gp
     if suffix == "weight_scale_2":
         return np.concatenate([g.reshape(-1)[:1], u.reshape(-1)[:1]])
     axis = -1 if (gptq_like and suffix in _GPTQ_LIKE_LAST_AXIS) else 0
-    if g.ndim == 0 or g.ndim != u.ndim or np.delete(np.array(g.shape), axis).tolist() != np.delete(np.array(u.shape), axis).tolist():
+    if g.ndim == 0 or g.shape != u.shape:
         raise CheckpointError(
-            f"tensors {gname!r} {list(g.shape)} and {uname!r} {list(u.shape)} cannot be joined along N (axis {axis})"
+            f"tensors {gname!r} {list(g.shape)} and {uname!r} {list(u.shape)} cannot be joined along N (axis {axis}): "
+            "the gate and up projections must have the same shape"
         )
     if g.dtype != u.dtype:
         raise CheckpointError(f"tensors {gname!r} ({g.dtype}) and {uname!r} ({u.dtype}) differ in dtype")
@@ -564,7 +565,11 @@ def _read_expert(ckpt: _Checkpoint, lay: _Layout, e: int, per_tensor_fp8: str) -
             if s == "weight_scale" and per_tensor_fp8 != "no":
                 w13[s] = _fp8_tensor_scale(g, u, gn, un, per_tensor_fp8, ckpt, lay, e)
             else:
-                w13[s] = _merge(s, g, u, gn, un, gptq_like)
+                try:
+                    w13[s] = _merge(s, g, u, gn, un, gptq_like)
+                except CheckpointError as err:
+                    files = sorted({str(ckpt.names[gn]), str(ckpt.names[un])})
+                    raise CheckpointError(f"{err} (in {', '.join(files)})") from err
         else:
             w13[s] = read("w13", s, un, near=anchor)
     w2 = {}
@@ -736,7 +741,7 @@ def load_moe_layer(
         bufs: list[jax.Array] | None = None
         treedef = None
         for e in steps:
-            where = f"{lay.base}{e}" if lay.kind == "per_expert" else f"{lay.base} expert {e}"
+            where = f"{lay.base}{e}" if lay.kind == "per_expert" else f"{lay.base[:-1]} (expert {e})"
             ex = _read_expert(ckpt, lay, e, fp8_mode)
             perm = _row_perm(next(iter(_n_rows(ex.w13, gptq_like))), lay.order, want_order) if lay.gated else None
             if perm is not None:

@@ -52,7 +52,8 @@ def _is_tracer(x: Any) -> bool:
 def _placeholder_experts(e: int, n1: int, h: int, i: int, scheme: str, dtype: Any) -> MoEWeights:
     """Zeros with the structure ``quantize_moe_weights`` would give, for abstract or traced
     construction (``nnx.eval_shape``, a jitted Linen ``apply``) where the values are replaced."""
-    template = quantize_moe_weights(np.zeros((1, n1, h), np.float32), np.zeros((1, h, i), np.float32), scheme, dtype=dtype)
+    with jax.ensure_compile_time_eval():  # the quantizers use jnp on concrete values
+        template = quantize_moe_weights(np.zeros((1, n1, h), np.float32), np.zeros((1, h, i), np.float32), scheme, dtype=dtype)
     return jax.tree.map(lambda a: jnp.zeros((e,) + a.shape[1:], a.dtype), template)
 
 

@@ -236,7 +236,19 @@ def bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *extra], env=dict(os.environ))
 
 
+def _bench_argv(argv: Sequence[str]) -> argparse.Namespace | None:
+    """``bench ARGS...``: everything after ``bench`` goes to the script untouched (argparse
+    would read options such as ``--smoke`` as its own)."""
+    if argv and argv[0] == "bench" and not {"-h", "--help"} & set(argv[1:2]):
+        return argparse.Namespace(bench_args=list(argv[1:]))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args = _bench_argv(argv)
+    if bench_args is not None:
+        return bench(bench_args)
     parser = argparse.ArgumentParser(prog="humming-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="run a Qwen3-30B-A3B-shaped MoE layer and check it against the oracle")

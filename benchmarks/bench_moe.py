@@ -70,8 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parts", default="layer,gemms")
     p.add_argument("--zipf-tokens", type=int, default=1024, help="M of the Zipf-routed point (0: none)")
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent of expert popularity")
-    p.add_argument("--ragged-dot-formats", default="all",
-                   help="formats at which ragged_dot runs ('all', or e.g. 'bf16': its dequantized-weight work is the same at every format)")
+    p.add_argument("--ragged-dot", choices=("once", "all"), default="once",
+                   help="ragged_dot on every format, or once per shape (first format of the run): its work on "
+                        "dequantized bf16 weights is the same at every format, and the report uses that row for all")
+    p.add_argument("--all-parts", action="store_true",
+                   help="also the gemms part of humming_jax/indexed, humming_jax/grouped and ragged_dot "
+                        "(by default: humming_jax layer+gemms, classes layer, batched gemms, ragged_dot layer, "
+                        "torch layer+gemms, humming-kernels gemms)")
     p.add_argument("--repeats", type=int, default=20, help="timed samples per measurement (BENCH.md: >= 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls after the compiling one")
     p.add_argument("--sets", type=int, default=0, help="input sets rotated per executable (0: from the L2 rule)")
@@ -95,7 +100,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [g for g in got if g not in known]
         if bad:
             p.error(f"unknown {name}(s) {bad}; known: {list(known)}")
-    args.ragged_formats = args.format_list if args.ragged_dot_formats == "all" else _csv(args.ragged_dot_formats)
     return args
 
 
@@ -133,6 +137,7 @@ class Run:
         self.data = dict(meta)
         self.data["rows"] = []
         self.data["not_run"] = []
+        self.ragged_shapes: set[str] = set()
         self.path = Path(args.out)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -156,6 +161,9 @@ class Run:
         with open(tmp, "w") as f:
             json.dump(self.data, f, indent=1)
         os.replace(tmp, self.path)
+        out_dir = os.environ.get("OUT")  # device runs: keep a current copy where it comes back
+        if out_dir and Path(out_dir).is_dir() and Path(out_dir).resolve() != self.path.parent.resolve():
+            shutil.copy(self.path, Path(out_dir) / self.path.name)
 
 
 def make_row(system, fmt, shape, m, part, routing, nbytes, flops, res=None, error=None, **extra) -> dict:
@@ -224,7 +232,7 @@ def main(argv=None) -> int:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "env": {k: os.environ.get(k) for k in ("HUMMING_JAX_MOE_GEMM_TYPE", "XLA_PYTHON_CLIENT_PREALLOCATE",
                                                  "XLA_PYTHON_CLIENT_MEM_FRACTION", "HUMMING_CACHE_DIR") if os.environ.get(k)},
-        "args": {k: v for k, v in vars(args).items() if not k.endswith("_list") and k != "ragged_formats"},
+        "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
         "method": {
             "timing": ("JAX systems: one jitted executable runs the layer on each of R input sets (out donated and "
                        "threaded through); a sample = S back-to-back calls, wall time / (S*R) after block_until_ready. "
@@ -282,7 +290,7 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
     bpe = ms.bytes_per_expert(weights)
     bf16_bpe = ms.bf16_bytes_per_expert(h, i)
     rd_w = None
-    if "ragged_dot" in systems and fmt in args.ragged_formats:
+    if "ragged_dot" in systems and (args.ragged_dot == "all" or shape not in run.ragged_shapes):
         rd_w = js.ragged_weights(weights)
     points = block_points(args)
     tokens_here = sorted({m for m, _ in points})
@@ -321,9 +329,7 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
         outputs = {}
         jp = js.JaxPoint(point, weights)
         for system in [s for s in systems if s in JAX_SYSTEMS]:
-            for part in parts:
-                if system == "humming_jax/batched" and part == "layer":
-                    continue  # the batched format has no routing or finalize: its apply is the gemms part
+            for part in parts_for(system, parts, args.all_parts):
                 if system == "ragged_dot" and rd_w is None:
                     continue
                 nbytes = nb16 if system == "ragged_dot" else nb
@@ -345,6 +351,8 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
                     run.add(make_row(system, fmt, shape, m, part, routing, nbytes, flops, res, **common, **extra))
                 except Exception as exc:  # noqa: BLE001
                     run.add(make_row(system, fmt, shape, m, part, routing, nbytes, flops, error=err_text(exc), **common))
+        if rd_w is not None:
+            run.ragged_shapes.add(shape)
         ref = outputs.get("ragged_dot")
         if ref is not None:
             for row in run.data["rows"][-12:]:
@@ -362,6 +370,14 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
     if hk is not None:
         hk.close()
     del weights, rd_w, tg, hk
+
+
+def parts_for(system: str, parts: list[str], all_parts: bool) -> list[str]:
+    if system == "humming_jax/batched":
+        return [p for p in parts if p == "gemms"]  # no routing or finalize in the batched format
+    if system in ("humming_jax/indexed", "humming_jax/grouped", "ragged_dot") and not all_parts:
+        return [p for p in parts if p == "layer"]
+    return list(parts)
 
 
 def hj_select(weights) -> str | None:
@@ -443,10 +459,8 @@ def finish(run: Run, args) -> None:
     data["targets"] = [{k: v for k, v in t.items() if k != "points"} | {"points": len(t["points"])} for t in report.check_targets(data)]
     run.save()
     out_dir = os.environ.get("OUT")
-    if out_dir and Path(out_dir).is_dir():
-        for f in (run.path, png):
-            if f.exists() and Path(out_dir).resolve() not in f.resolve().parents:
-                shutil.copy(f, Path(out_dir) / f.name)
+    if out_dir and Path(out_dir).is_dir() and png.exists() and Path(out_dir).resolve() != png.parent.resolve():
+        shutil.copy(png, Path(out_dir) / png.name)
     if data["not_run"]:
         print(f"not run ({len(data['not_run'])}): " + "; ".join(f"{n['what']} ({n['why']})" for n in data["not_run"][:12]))
     print(report.summary_text(data))

@@ -1,0 +1,124 @@
+"""The peer-comparison benchmark (benchmarks/bench_moe.py) on CPU with a tiny shape: it runs, its
+JSON follows BENCH.md's result format, peers that cannot run are recorded with a reason, and the
+README section and targets check are generated from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import moe_setup as ms  # noqa: E402
+import report  # noqa: E402
+
+import humming_jax as hj  # noqa: E402
+
+
+@pytest.mark.parametrize("fmt", sorted(ms.FORMATS))
+def test_synthetic_weights_have_the_quantizer_layout(fmt):
+    e, _, h, i = ms.SHAPES["tiny"]
+    rng = np.random.default_rng(0)
+    ref = hj.quantize_moe_weights(
+        rng.standard_normal((e, 2 * i, h)).astype(np.float32) * 0.05,
+        rng.standard_normal((e, h, i)).astype(np.float32) * 0.05,
+        scheme=ms.FORMATS[fmt]["scheme"],
+    )
+    got = ms.synthetic_weights(fmt, e, h, i, seed=1)
+    ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    assert got_tree == ref_tree  # same fields present and the same static metadata
+    assert [(a.shape, a.dtype) for a in got_leaves] == [(a.shape, a.dtype) for a in ref_leaves]
+    w13, w2 = got.dequantize()
+    for w in (w13, w2):
+        w = np.asarray(w)
+        assert np.all(np.isfinite(w)) and np.mean(w != 0) > 0.5
+    # magnitudes keep the layer's intermediates O(1): x @ w13^T has unit scale for unit x
+    assert 0.3 < float(np.sqrt(np.mean(np.square(np.asarray(w13))) * h)) < 3.0
+
+
+def test_routing_sets_are_deterministic_distinct_and_skewed():
+    a = ms.make_point("tiny", 64, "uniform", 2, seed=3)
+    b = ms.make_point("tiny", 64, "uniform", 1, seed=3)
+    np.testing.assert_array_equal(a.sets[0].topk_ids, b.sets[0].topk_ids)  # independent of the set count
+    np.testing.assert_array_equal(a.sets[0].x, b.sets[0].x)
+    assert not np.array_equal(a.sets[0].topk_ids, a.sets[1].topk_ids)
+    e, k = ms.SHAPES["tiny"][:2]
+    z = ms.make_point("tiny", 4096, "zipf1.2", 1, seed=3).sets[0].topk_ids
+    for ids in (a.sets[0].topk_ids, z):
+        assert ids.dtype == np.int32 and ids.shape[1] == k
+        assert all(len(set(row)) == k for row in ids.tolist())
+        assert ids.min() >= 0 and ids.max() < e
+    counts = np.bincount(z.reshape(-1), minlength=e)
+    assert counts.max() > 2 * counts.mean()
+    np.testing.assert_allclose(a.sets[0].topk_weights.sum(1), 1.0, rtol=1e-5)
+    assert ms.num_sets_for(1e6, None) == ms.MAX_SETS and ms.num_sets_for(1e12, None) == 1
+
+
+def _bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    # CPU only, also on the GPU machine: no CUDA device for torch, so its peers record "skipped"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    env.pop("OUT", None)
+    cmd = [
+        sys.executable, str(BENCH / "bench_moe.py"), "--shapes", "tiny", "--tokens", "2", "--formats", "bf16",
+        "--zipf-tokens", "0", "--sets", "2", "--repeats", "2", "--warmup", "0", "--ceiling-matmul-n", "64",
+        "--ceiling-copy-mib", "4", "--no-plot", "--out", str(out), *extra,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_bench_moe_stops_at_its_time_budget(tmp_path):
+    out = tmp_path / "budget.json"
+    proc = _bench(out, "--time-budget-s", "0.001")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert report.check_schema(data) == [] and data["rows"] == []
+    assert data["not_run"] == [{"what": "tiny bf16", "why": "time budget"}]
+
+
+def test_bench_moe_smoke_on_cpu(tmp_path):
+    out = tmp_path / "smoke.json"
+    proc = _bench(out, "--all-parts")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert report.check_schema(data) == []
+    assert data["harness"] == "bench_moe" and "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL" in data["xla_flags"]
+    assert data["ceilings"]["copy_tbps"] > 0 and data["ceilings"]["bf16_tflops"] > 0
+    rows = {(r["system"], r["part"]): r for r in data["rows"]}
+    for system in ("humming_jax", "humming_jax/indexed", "humming_jax/grouped", "ragged_dot"):
+        for part in ("layer", "gemms"):
+            r = rows[(system, part)]
+            assert r.get("error") is None and r["median_ms"] > 0 and r["samples"] == 2 and r["chain"] == 2
+            assert r["bytes"] > 0 and r["flops"] == ms.layer_flops(2, 2, 256, 256)
+    assert rows[("humming_jax/batched", "gemms")]["median_ms"] > 0
+    for system in ("humming_jax", "humming_jax/indexed", "humming_jax/grouped"):
+        layer = rows[(system, "layer")]
+        assert layer["check"] == "ok" and layer["rel_err_vs_ragged_dot"] < 1e-2
+    assert rows[("humming_jax", "layer")]["selected"] in ("IndexedExperts", "GroupedExperts")
+    # peers that cannot run here are recorded with the reason, never dropped
+    for key in (("torch_grouped_mm", "layer"), ("torch_grouped_mm", "gemms"), ("humming_kernels", "gemms")):
+        assert rows[key]["median_ms"] is None and rows[key]["error"].startswith("skipped")
+    assert "median ms per layer" in proc.stdout and "around the GEMMs" in proc.stdout
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Performance\n\n<!-- bench:begin -->\nold\n<!-- bench:end -->\ntail\n")
+    gen = subprocess.run([sys.executable, str(BENCH / "readme_table.py"), str(out), "--readme", str(readme)],
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    text = readme.read_text()
+    assert "old" not in text and text.endswith("<!-- bench:end -->\ntail\n")
+    assert "| smoke | tiny | bf16 | 2 |" in text and "skipped" in text
+    check = subprocess.run([sys.executable, str(BENCH / "readme_table.py"), str(out), "--readme", str(readme), "--check"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0
+    targets = report.check_targets(data)
+    assert {t["status"] for t in targets} <= {"met", "missed", "not measured"} and len(targets) == 6

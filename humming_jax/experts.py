@@ -315,9 +315,9 @@ class BatchedExperts(FusedMoEExperts):
             q, a_scale = act_ops.quantize(hidden_states.reshape(e * t, h), quant[0], quant[1])
             a, agk = q.reshape(e, t, h), quant[1]
         gu = gemm_ops.gemm_batched(a, a_scale, weights.w13, weights.b13, expert_num_tokens, out_dtype=hidden_states.dtype, act_group_k=agk)
-        a2, a2_scale, agk2 = _activate(gu.reshape(e * t, -1), activation, activation_limit, quant)
+        a2, a2_scale, agk2 = _activate(gu.reshape(e * t, gu.shape[-1]), activation, activation_limit, quant)
         return gemm_ops.gemm_batched(
-            a2.reshape(e, t, -1),
+            a2.reshape(e, t, a2.shape[-1]),
             a2_scale,
             weights.w2,
             weights.b2,

@@ -482,12 +482,20 @@ def convert_to_kernel_format(
             f"w13: I = {i} is not a multiple of the scale block's {p13.group_n} rows, so a block would "
             "straddle the gate and up halves"
         )
+    act_key = (input_schema or sc.NoInputQuant()).quant_key()
+    act_group = 0 if act_key is None else max(act_key.scale.group_shape.col, 0)
+    for what, k in (("H", h), ("I", i)):
+        if act_group and k % act_group:
+            raise ValueError(
+                f"{input_schema!r} quantizes activations in groups of {act_group} along K, but {what} = {k} "
+                f"is not a multiple of {act_group}"
+            )
     b13, b2 = _bias(t13), _bias(t2)
     weights = MoEWeights(
         w13=p13,
         w2=p2,
         weight_key=weight_schema.quant_key(),
-        act_key=(input_schema or sc.NoInputQuant()).quant_key(),
+        act_key=act_key,
         scheme=scheme,
         dtype=act_dtype,
     )

@@ -550,6 +550,14 @@ def test_misaligned_n(rng):
         hj.convert_to_kernel_format(t13, t2, sc.FP8(block=(128, 128)))
 
 
+def test_activation_groups_must_divide_k(rng):
+    # Partial 128-blocks are fine for 16-bit activations, not for 128-wide activation groups.
+    (t13, _), (t2, _) = make_fp8(rng, 192, H), make_fp8(rng, H, 192)
+    hj.convert_to_kernel_format(t13, t2, sc.FP8(block=(128, 128)), activation="silu_no_mul")
+    with pytest.raises(ValueError, match=r"groups of 128 along K, but I = 192"):
+        hj.convert_to_kernel_format(t13, t2, sc.FP8(block=(128, 128)), sc.FP8Dynamic(128), activation="silu_no_mul")
+
+
 def test_g_idx_reordering_rejected(rng):
     t13, t2 = _gptq_pair(rng, g_idx=True)
     t13["g_idx"] = rng.permutation(t13["g_idx"])  # K = 256: two groups to mix

@@ -308,7 +308,8 @@ def test_overlap_check_fires_on_the_quantized_gemm_path(rng):
 
 # --- clear errors -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "scheme,k,group", [("w4a16-int4-g128", 192, 128), ("w4a16-uint4-zp-g128", 64, 128), ("w4a16-mxfp4", 48, 32), ("w4a16-nvfp4", 24, 16)]
+    "scheme,k,group",
+    [("w4a16-int4-g128", 192, 128), ("w4a16-uint4-zp-g128", 64, 128), ("w4a16-mxfp4", 48, 32), ("w4a16-nvfp4", 24, 16)],
 )
 def test_misaligned_k_for_group_size(rng, scheme, k, group):
     w13 = rng.standard_normal((2, 64, k)).astype(np.float32)

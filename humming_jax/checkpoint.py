@@ -76,6 +76,7 @@ __all__ = [
     "load_router_weight",
     "read_tensor",
     "schema_from_config",
+    "write_converted_layer",
 ]
 
 METADATA_FILE = "humming_jax_moe.json"

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```\n<!-- /example -->", re.S)
 EXPECTED = ("examples/serving_step.py", "examples/flax_model.py", "examples/checkpoint_conversion.py")
-NEEDS = {"examples/flax_model.py": ("flax",), "examples/checkpoint_conversion.py": ("flax", "safetensors", "tqdm")}
+NEEDS = {"examples/flax_model.py": ("flax",), "examples/checkpoint_conversion.py": ("flax", "safetensors")}
 
 
 def readme_examples() -> dict[str, str]:

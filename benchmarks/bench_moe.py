@@ -137,6 +137,7 @@ class Run:
         self.data = dict(meta)
         self.data["rows"] = []
         self.data["not_run"] = []
+        self.data["blocks"] = []  # wall seconds per (shape, format): setup and each point
         self.ragged_shapes: set[str] = set()
         self.path = Path(args.out)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +249,9 @@ def main(argv=None) -> int:
     if torch_ok:
         meta.update(tpz.versions())
     run = Run(args, meta)
-    print(f"bench_moe: {meta['device']} jax {jax.__version__}; XLA_FLAGS={meta['xla_flags']!r}; torch peers: {torch_reason or 'yes'}", flush=True)
+    print(f"bench_moe: {meta['device']} jax {jax.__version__}, humming_jax CUDA handlers: {meta['humming_jax_cuda']}"
+          f" ({hj._ffi.backend_report()['cuda_unavailable_because'] or 'registered'}); XLA_FLAGS={meta['xla_flags']!r}; "
+          f"torch peers: {torch_reason or 'yes'}", flush=True)
 
     # Ceilings, measured in this run.
     try:
@@ -312,8 +315,12 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
                       + (f" ({hk.compile_error})" if hk.compile_error else ""), flush=True)
             except Exception as exc:  # noqa: BLE001
                 hk_err = err_text(exc)
+    block = {"shape": shape, "format": fmt, "setup_s": round(time.monotonic() - t_block, 1), "points_s": {}}
+    if hk is not None:
+        block.update(hk_build_s=round(hk.build_s, 1), hk_compile_s=round(hk.compile_s, 1))
+    run.data["blocks"].append(block)
     print(f"[{run.elapsed():6.0f}s] {shape} {fmt}: weights {bpe * e / 1e9:.2f} GB "
-          f"({time.monotonic() - t_block:.1f}s setup)", flush=True)
+          f"({block['setup_s']:.1f}s setup)", flush=True)
 
     for m, routing in points:
         if run.over_budget():
@@ -364,12 +371,17 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
         if any(s in systems for s in TORCH_SYSTEMS):
             torch_point(run, args, shape, fmt, m, routing, point, r_sets, nb16, flops, tpz, torch_ok, torch_reason,
                         tg, tg_err, hk, hk_err, systems, parts)
+        block["points_s"][f"{m}" if routing == "uniform" else f"{m} {routing}"] = round(time.monotonic() - t_point, 1)
         run.save()
         print_point(run, shape, fmt, m, routing, r_sets, time.monotonic() - t_point)
 
     if hk is not None:
         hk.close()
     del weights, rd_w, tg, hk
+    if torch_ok:
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def parts_for(system: str, parts: list[str], all_parts: bool) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 TARGET_SAMPLE_S = 0.002
 MAX_CALLS_PER_SAMPLE = 64
+SLOW_CALL_S = 0.1
 SILU_MUL = "a / (1.0f + expf(-a)) * b"  # humming's binary_split: a = gate half, b = up half
 
 
@@ -77,15 +78,16 @@ def time_torch(run: Callable[[], Any], *, repeats: int, warmup: int, chain: int,
         except Exception as exc:  # noqa: BLE001
             note = f"graph capture failed, eager timing: {type(exc).__name__}: {str(exc)[:200]}"
             torch.cuda.synchronize()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     fn()
     e1.record()
     torch.cuda.synchronize()
     one = e0.elapsed_time(e1) * 1e-3
+    if one < SLOW_CALL_S:  # slow calls are warm after one run
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
     calls = int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(TARGET_SAMPLE_S / max(one, 1e-7)))))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]

@@ -1,0 +1,33 @@
+// Host-side helpers of the CUDA handlers: the stream context, launch checks and grid sizing.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ffi_common.h"
+
+namespace hj {
+
+using CudaStream = ffi::PlatformStream<cudaStream_t>;
+
+// The error of the launch just made (cudaGetLastError), as an ffi::Error naming call and kernel.
+inline Error launch_status(const std::string& call, const char* kernel) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return Error::Internal("humming_jax." + call + ": launching " + kernel + " failed: " + cudaGetErrorName(e) +
+                           " (" + cudaGetErrorString(e) + ")");
+  return Error::Success();
+}
+
+// Blocks for a grid-stride loop over `work` items: enough to fill the device, never zero work.
+inline unsigned grid_for(int64_t work, int threads, int64_t max_blocks = 4096) {
+  int64_t b = (work + threads - 1) / threads;
+  if (b > max_blocks) b = max_blocks;
+  return static_cast<unsigned>(b < 1 ? 1 : b);
+}
+
+inline bool aligned_to(const void* p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+}  // namespace hj

@@ -1,0 +1,178 @@
+// CUDA handlers of the expert GEMM in its three forms (indexed gather, grouped contiguous, batched
+// masked). Shapes and operands are parsed by the same code as on the CPU (ffi_common.h); routing
+// metadata (num_tokens_post_padded, offsets, counts) is read only by the kernels, on the device.
+#include <cuda_runtime.h>
+
+#include "cuda_launch.cuh"
+#include "ffi_common.h"
+#include "gemm_kernels_sm80.cuh"
+
+namespace hj {
+namespace {
+
+using gemm::GemmLaunch;
+using gemm::RowMode;
+
+// Rows per CTA from the expected rows per expert: small tiles waste less at decode sizes.
+int pick_bm(int64_t rows_per_expert) {
+  if (rows_per_expert <= 16) return 16;
+  if (rows_per_expert <= 32) return 32;
+  return 64;
+}
+
+// Checks the kernel's limits and fills the launch fields that depend only on the problem.
+Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
+  L->p = p;
+  const int64_t K = p.K;
+  const WeightView& w = p.w;
+  const size_t a_unit = p.a.quantized() ? 8 : 16;
+  L->vec_a = K % 8 == 0 && aligned_to(p.a.data, a_unit);
+  const int64_t w_unit = w.type == WeightType::kFloat ? 16
+                         : (w.type == WeightType::kUInt4 || w.type == WeightType::kFp4E2M1) ? 4
+                                                                                            : 8;
+  L->vec_w = K % 8 == 0 && aligned_to(w.data, static_cast<size_t>(w_unit));
+  L->w_uniform = w.type == WeightType::kFloat || w.group_k % 8 == 0 || w.group_k >= K;
+  L->period = 0;
+  if (p.a.quantized()) {
+    // The MMA sums codes over `period` columns; both scales must be constant over each period.
+    auto divides = [&](int64_t group, int64_t d) { return group >= K || group % d == 0; };
+    if (divides(w.group_k, 32) && divides(p.a.group_k, 32))
+      L->period = 32;
+    else if (divides(w.group_k, 16) && divides(p.a.group_k, 16))
+      L->period = 16;
+    else
+      return invalid(call, "8-bit activations need weight and activation scale groups along K that are "
+                           "multiples of 16 (or span K); got " + std::to_string(w.group_k) + " and " +
+                           std::to_string(p.a.group_k));
+  }
+  if ((p.N + gemm::kBN - 1) / gemm::kBN > 65535)
+    return invalid(call, "N = " + std::to_string(p.N) + " is too large");
+  return Error::Success();
+}
+
+Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream) {
+  const int64_t n_tiles = (L.p.N + gemm::kBN - 1) / gemm::kBN;
+  if (m_tiles == 0 || n_tiles == 0) return Error::Success();
+  if (m_tiles > INT32_MAX) return invalid(call, "too many row tiles");
+  const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
+  switch (bm) {
+    case 16: gemm::launch_sm80<16>(L, grid, stream); break;
+    case 32: gemm::launch_sm80<32>(L, grid, stream); break;
+    default: gemm::launch_sm80<64>(L, grid, stream); break;
+  }
+  return launch_status(call, "gemm_kernel");
+}
+
+GemmAttrs gemm_attrs(int64_t wt, int64_t gn, int64_t gk, int64_t hz, int64_t hs2, int64_t hb, int64_t agk) {
+  return GemmAttrs{WeightAttrs{wt, gn, gk, hz, hs2, hb}, agk};
+}
+
+Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                      AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids,
+                      AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> c, int64_t weight_type,
+                      int64_t group_n, int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                      int64_t act_group_k, int64_t gather_div, int64_t block_m) {
+  const std::string call = "gemm_indexed";
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
+                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                           act_group_k),
+                                *c, &p));
+  IndexedLayout l;
+  HJ_RETURN_IF_ERROR(check_indexed_layout(call, a, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
+                                          block_m, &l));
+  GemmLaunch L{};
+  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
+  const int bm = pick_bm(block_m);
+  L.mode = RowMode::kIndexed;
+  L.E = p.w.E;
+  L.sorted_ids = l.sorted_ids;
+  L.block_expert_ids = l.block_expert_ids;
+  L.ntpp = l.num_tokens_post_padded;
+  L.block_m = block_m;
+  L.gather_div = gather_div;
+  L.a_rows = l.a_rows;
+  L.c_rows = l.c_rows;
+  L.padded_rows = l.padded_rows;
+  L.sub_tiles = (block_m + bm - 1) / bm;
+  return launch(call, L, bm, l.num_blocks * L.sub_tiles, stream);
+}
+
+Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                      AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
+                      int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                      int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+  const std::string call = "gemm_grouped";
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
+                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                           act_group_k),
+                                *c, &p));
+  HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, *c, offsets, p.w.E));
+  const int64_t R = dim(a, 0);
+  if (R > INT32_MAX) return invalid(call, "too many rows");
+  GemmLaunch L{};
+  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
+  const int bm = pick_bm(R / (p.w.E > 0 ? p.w.E : 1));
+  const int64_t row_tiles = (R + bm - 1) / bm;
+  L.mode = RowMode::kGrouped;
+  L.E = p.w.E;
+  L.offsets = static_cast<const int32_t*>(offsets.untyped_data());
+  L.R = R;
+  // At most one partial tile per expert beyond R / bm full ones; then the zero-fill tiles.
+  L.gemm_tiles = row_tiles + p.w.E;
+  if (R == 0) return Error::Success();
+  return launch(call, L, bm, L.gemm_tiles + row_tiles, stream);
+}
+
+Error gemm_batched_impl(const std::string& call, cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale,
+                        AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias,
+                        AnyBuffer counts, AnyBuffer c, const GemmAttrs& at) {
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias, at, c, &p));
+  HJ_RETURN_IF_ERROR(check_batched_layout(call, a, c, counts, p.w.E));
+  GemmLaunch L{};
+  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
+  const int64_t T = dim(a, 1);
+  const int bm = pick_bm(T);
+  L.mode = RowMode::kBatched;
+  L.E = p.w.E;
+  L.counts = static_cast<const int32_t*>(counts.untyped_data());
+  L.T = T;
+  L.tiles_per_expert = (T + bm - 1) / bm;
+  return launch(call, L, bm, p.w.E * L.tiles_per_expert, stream);
+}
+
+Error GemmBatchedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                      AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer counts, Result<AnyBuffer> c,
+                      int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                      int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+  return gemm_batched_impl("gemm_batched", stream, a, a_scale, qweight, scale, zero, scale2, bias, counts, *c,
+                           gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                      act_group_k));
+}
+
+Error GemmBatchedIntoCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight,
+                          AnyBuffer scale, AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer counts,
+                          AnyBuffer out, Result<AnyBuffer> c, int64_t weight_type, int64_t group_n,
+                          int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                          int64_t act_group_k) {
+  const std::string call = "gemm_batched_into";
+  HJ_RETURN_IF_ERROR(check_batched_into_out(call, out, *c));
+  return gemm_batched_impl(call, stream, a, a_scale, qweight, scale, zero, scale2, bias, counts, *c,
+                           gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
+                                      act_group_k));
+}
+
+}  // namespace
+}  // namespace hj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCuda, hj::GemmIndexedCuda, hj::bind_gemm_indexed<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCuda, hj::GemmBatchedCuda, hj::bind_gemm_batched<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedIntoCuda, hj::GemmBatchedIntoCuda,
+                              hj::bind_gemm_batched_into<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

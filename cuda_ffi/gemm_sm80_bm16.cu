@@ -1,0 +1,8 @@
+// The generic tensor-core expert GEMM with 16 rows per CTA, all weight and activation types.
+#include "gemm_kernels_sm80.cuh"
+
+namespace hj {
+namespace gemm {
+HJ_DEFINE_LAUNCH_SM80(16)
+}  // namespace gemm
+}  // namespace hj

@@ -1,0 +1,265 @@
+// CUDA handlers of the routing metadata (indexed and grouped layouts) and of the row permutation
+// of the grouped format. Semantics mirror routing_cpu.cc; entries are placed in increasing
+// token*k+j order within each expert, as on the CPU, so the metadata is deterministic.
+//
+// One launch per call, one block per local expert: every block counts all experts into a shared
+// histogram (so each knows its own start without a scratch buffer or a second launch), then places
+// its own expert's entries with a block-wide scan. Every block also writes its share of the tail
+// past the used rows. Cost: each block reads all M*k entries twice (fine up to ~10^5 entries).
+#include <cuda_runtime.h>
+
+#include "cuda_launch.cuh"
+#include "ffi_common.h"
+
+namespace hj {
+namespace {
+
+constexpr int kRouteThreads = 256;
+constexpr int kRouteItems = 4;  // consecutive entries per thread in the placement pass
+constexpr int64_t kMaxHistExperts = 12 * 1024;  // 48 KB of shared histogram
+
+// Exclusive scan of v over the block; *total receives the block's sum. All threads must call it.
+__device__ int block_exclusive_scan(int v, int* s_warp, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < nwarps ? s_warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < nwarps) s_warp[lane] = w;
+  }
+  __syncthreads();
+  const int before = warp ? s_warp[warp - 1] : 0;
+  *total = s_warp[nwarps - 1];
+  __syncthreads();  // s_warp is reused by the next call
+  return before + x - v;
+}
+
+struct RoutingArgs {
+  const int32_t* ids;
+  const int32_t* map;
+  int32_t entries, num_global, num_local, block_m;
+  int32_t* order;  // sorted_ids (indexed) or permutation (grouped)
+  int32_t order_len;
+  int32_t* blocks;  // block_expert_ids (indexed)
+  int32_t num_blocks;
+  int32_t* ntpp;     // num_tokens_post_padded (indexed)
+  int32_t* offsets;  // expert_first_token_offset (grouped)
+  int32_t* src;      // src_rows
+};
+
+template <bool kIndexed>
+__global__ void __launch_bounds__(kRouteThreads) routing_kernel(RoutingArgs a) {
+  extern __shared__ int s_hist[];  // [num_local]: counts, then exclusive starts
+  __shared__ int s_warp[32];
+  __shared__ int s_count;
+  const int e = blockIdx.x;
+  const int E = a.num_local;
+  const int bm = kIndexed ? a.block_m : 1;
+
+  for (int i = threadIdx.x; i < E; i += blockDim.x) s_hist[i] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.entries; i += blockDim.x) {
+    const int l = local_expert(a.ids[i], a.map, a.num_global, E);
+    if (l >= 0) atomicAdd(&s_hist[l], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) s_count = s_hist[e];
+
+  // Exclusive starts of every expert's (padded) range, each thread owning a contiguous slice.
+  const int per = (E + blockDim.x - 1) / blockDim.x;
+  const int lo = min(E, static_cast<int>(threadIdx.x) * per), hi = min(E, lo + per);
+  int mine = 0;
+  for (int i = lo; i < hi; ++i) mine += (s_hist[i] + bm - 1) / bm * bm;
+  int total = 0;
+  int run = block_exclusive_scan(mine, s_warp, &total);
+  for (int i = lo; i < hi; ++i) {
+    const int c = s_hist[i];
+    s_hist[i] = run;
+    run += (c + bm - 1) / bm * bm;
+  }
+  __syncthreads();
+  const int start = s_hist[e];
+  const int count = s_count;
+
+  if (blockIdx.x == 0) {
+    if (kIndexed) {
+      if (threadIdx.x == 0) *a.ntpp = total;
+    } else {
+      for (int i = threadIdx.x; i < E; i += blockDim.x) a.offsets[i] = s_hist[i];
+      if (threadIdx.x == 0) a.offsets[E] = total;
+    }
+  }
+
+  // Place this expert's entries in increasing entry order.
+  const int chunk = blockDim.x * kRouteItems;
+  int placed = 0;
+  for (int c0 = 0, ci = 0; c0 < a.entries; c0 += chunk, ++ci) {
+    const int first = c0 + threadIdx.x * kRouteItems;
+    int l[kRouteItems];
+    int flags = 0;
+#pragma unroll
+    for (int v = 0; v < kRouteItems; ++v) {
+      const int i = first + v;
+      l[v] = i < a.entries ? local_expert(a.ids[i], a.map, a.num_global, E) : -2;
+      flags += l[v] == e;
+    }
+    int in_chunk = 0;
+    int r = placed + block_exclusive_scan(flags, s_warp, &in_chunk);
+    const bool writes_skipped = (ci % gridDim.x) == blockIdx.x;
+#pragma unroll
+    for (int v = 0; v < kRouteItems; ++v) {
+      const int i = first + v;
+      if (l[v] == e) {
+        const int pos = start + r++;
+        a.order[pos] = i;
+        a.src[i] = kIndexed ? i : pos;
+      } else if (l[v] == -1 && writes_skipped) {
+        a.src[i] = -1;
+      }
+    }
+    placed += in_chunk;
+  }
+
+  const int sentinel = kIndexed ? a.entries : -1;
+  if (kIndexed) {
+    const int padded = (count + bm - 1) / bm * bm;
+    for (int p = start + count + threadIdx.x; p < start + padded; p += blockDim.x) a.order[p] = sentinel;
+    for (int b = start / bm + threadIdx.x; b < (start + padded) / bm; b += blockDim.x) a.blocks[b] = e;
+  }
+  // Rows past the used ones: every block writes a share.
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  for (int p = total + tid; p < a.order_len; p += stride) a.order[p] = sentinel;
+  if (kIndexed)
+    for (int b = total / bm + tid; b < a.num_blocks; b += stride) a.blocks[b] = -1;
+}
+
+Error launch_routing(const std::string& call, cudaStream_t stream, const RoutingShape& s, bool indexed,
+                     RoutingArgs args) {
+  if (s.num_local > kMaxHistExperts)
+    return invalid(call, "at most " + std::to_string(kMaxHistExperts) + " local experts are supported");
+  if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");
+  const size_t smem = static_cast<size_t>(s.num_local) * sizeof(int);
+  const dim3 grid(static_cast<unsigned>(s.num_local));
+  if (indexed)
+    routing_kernel<true><<<grid, kRouteThreads, smem, stream>>>(args);
+  else
+    routing_kernel<false><<<grid, kRouteThreads, smem, stream>>>(args);
+  return launch_status(call, "routing_kernel");
+}
+
+Error RoutingIndexedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expert_map,
+                         Result<AnyBuffer> sorted_ids, Result<AnyBuffer> block_expert_ids, Result<AnyBuffer> ntpp,
+                         Result<AnyBuffer> src_rows, int64_t num_local_experts, int64_t block_m) {
+  const std::string call = "routing_indexed";
+  RoutingShape s;
+  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
+  int64_t P = 0;
+  HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
+                                                   *block_expert_ids, *ntpp, *src_rows, &P));
+  RoutingArgs a{};
+  a.ids = static_cast<const int32_t*>(topk_ids.untyped_data());
+  a.map = static_cast<const int32_t*>(expert_map.untyped_data());
+  a.entries = static_cast<int32_t>(s.M * s.top_k);
+  a.num_global = static_cast<int32_t>(s.num_global);
+  a.num_local = static_cast<int32_t>(s.num_local);
+  a.block_m = static_cast<int32_t>(block_m);
+  a.order = static_cast<int32_t*>(sorted_ids->untyped_data());
+  a.order_len = static_cast<int32_t>(P);
+  a.blocks = static_cast<int32_t*>(block_expert_ids->untyped_data());
+  a.num_blocks = static_cast<int32_t>(P / block_m);
+  a.ntpp = static_cast<int32_t*>(ntpp->untyped_data());
+  a.src = static_cast<int32_t*>(src_rows->untyped_data());
+  return launch_routing(call, stream, s, true, a);
+}
+
+Error RoutingGroupedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expert_map,
+                         Result<AnyBuffer> permutation, Result<AnyBuffer> offsets, Result<AnyBuffer> src_rows,
+                         int64_t num_local_experts) {
+  const std::string call = "routing_grouped";
+  RoutingShape s;
+  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
+  HJ_RETURN_IF_ERROR(
+      check_routing_grouped_outputs(call, s, topk_ids, expert_map, *permutation, *offsets, *src_rows));
+  RoutingArgs a{};
+  a.ids = static_cast<const int32_t*>(topk_ids.untyped_data());
+  a.map = static_cast<const int32_t*>(expert_map.untyped_data());
+  a.entries = static_cast<int32_t>(s.M * s.top_k);
+  a.num_global = static_cast<int32_t>(s.num_global);
+  a.num_local = static_cast<int32_t>(s.num_local);
+  a.block_m = 1;
+  a.order = static_cast<int32_t*>(permutation->untyped_data());
+  a.order_len = a.entries;
+  a.offsets = static_cast<int32_t*>(offsets->untyped_data());
+  a.src = static_cast<int32_t*>(src_rows->untyped_data());
+  return launch_routing(call, stream, s, false, a);
+}
+
+// y[p] = x[perm[p] / top_k] for p below the valid row count, zeros elsewhere; V is the copy unit.
+template <typename V>
+__global__ void permute_rows_kernel(const V* __restrict__ x, const int32_t* __restrict__ perm,
+                                    const int32_t* __restrict__ offsets, int64_t num_offsets, int64_t R,
+                                    int64_t units_per_row, int64_t top_k, V* __restrict__ y) {
+  int64_t valid = offsets[num_offsets - 1];
+  valid = valid < 0 ? 0 : (valid > R ? R : valid);
+  const int64_t n = R * units_per_row;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t p = idx / units_per_row, c = idx - p * units_per_row;
+    const int64_t id = p < valid ? perm[p] : -1;
+    V v{};
+    if (id >= 0 && id < R) v = x[(id / top_k) * units_per_row + c];
+    y[idx] = v;
+  }
+}
+
+template <typename V>
+Error launch_permute(const std::string& call, cudaStream_t stream, const AnyBuffer& x, const AnyBuffer& perm,
+                     const AnyBuffer& offsets, AnyBuffer y, const PermuteShape& s, int64_t row_bytes, int64_t top_k) {
+  const int64_t units = row_bytes / static_cast<int64_t>(sizeof(V));
+  const int threads = 256;
+  permute_rows_kernel<V><<<grid_for(s.R * units, threads), threads, 0, stream>>>(
+      static_cast<const V*>(x.untyped_data()), static_cast<const int32_t*>(perm.untyped_data()),
+      static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, units, top_k,
+      static_cast<V*>(y.untyped_data()));
+  return launch_status(call, "permute_rows_kernel");
+}
+
+Error PermuteRowsCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets,
+                      Result<AnyBuffer> y, int64_t top_k) {
+  const std::string call = "permute_rows";
+  PermuteShape s;
+  HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &s));
+  const int64_t row_bytes = s.cols * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  if (s.R == 0 || row_bytes == 0) return Error::Success();
+  auto fits = [&](size_t unit) {
+    return row_bytes % static_cast<int64_t>(unit) == 0 && aligned_to(x.untyped_data(), unit) &&
+           aligned_to(y->untyped_data(), unit);
+  };
+  if (fits(16)) return launch_permute<uint4>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
+  if (fits(4)) return launch_permute<uint32_t>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
+  if (fits(2)) return launch_permute<uint16_t>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
+  return launch_permute<uint8_t>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
+}
+
+}  // namespace
+}  // namespace hj
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjRoutingIndexedCuda, hj::RoutingIndexedCuda,
+                              hj::bind_routing_indexed<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjRoutingGroupedCuda, hj::RoutingGroupedCuda,
+                              hj::bind_routing_grouped<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjPermuteRowsCuda, hj::PermuteRowsCuda, hj::bind_permute_rows<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU check, one device call (< 10 minutes): installs the carried libraries (.gpu/, built by
+# scripts/build_gpu_artifacts.sh), reports the backends, runs the test suite on the GPU, runs
+# compute-sanitizer (memcheck, racecheck) over scripts/sanitize_driver.py, then a short benchmark
+# against jax.lax.ragged_dot. Logs, JUnit XML and JSON land in $OUT; a summary table prints last.
+#
+#   scripts/gpu_check.sh                      # everything
+#   HJ_STAGES=cuda_tests,memcheck scripts/gpu_check.sh
+#   HJ_PYTEST_ARGS="--maxfail=30" scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+STAGES=${HJ_STAGES:-report,cuda_tests,tests,memcheck,racecheck,bench}
+PYTEST_ARGS=${HJ_PYTEST_ARGS:--x}
+LOG="$OUT/gpu_check.log"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+T0=$(date +%s)
+declare -A STATUS
+
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+stage() { echo; echo "=== $1 ($(( $(date +%s) - T0 )) s) ==="; }
+
+{
+  cp .gpu/*.so humming_jax/ || { echo "no carried libraries in .gpu/ (run scripts/build_gpu_artifacts.sh)"; exit 2; }
+
+  if want report; then
+    stage report
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+    python3 -c 'import humming_jax, jax; print("jax", jax.__version__, jax.devices()); print(humming_jax._ffi.backend_report()); print("cuda_available:", humming_jax.cuda_available())'
+    STATUS[report]=$?
+  fi
+
+  if want cuda_tests; then
+    stage "cuda backend tests"
+    timeout ${HJ_CUDA_TESTS_TIMEOUT:-200} python3 -m pytest tests/test_cuda_backend.py -q -p no:cacheprovider -rf --junitxml="$OUT/junit_cuda.xml" \
+      ${HJ_PYTEST_ARGS:-}
+    STATUS[cuda_tests]=$?
+  fi
+
+  if want tests; then
+    stage "test suite"
+    timeout ${HJ_TESTS_TIMEOUT:-240} python3 -m pytest tests -q -p no:cacheprovider -rf --junitxml="$OUT/junit.xml" \
+      --ignore=tests/test_cuda_backend.py $PYTEST_ARGS
+    STATUS[tests]=$?
+  fi
+
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck; do
+    if want $tool; then
+      stage "compute-sanitizer $tool"
+      XLA_FLAGS="--xla_gpu_autotune_level=0" timeout ${HJ_SANITIZER_TIMEOUT:-120} "$SAN" --tool $tool --error-exitcode 17 --print-limit 30 \
+        python3 scripts/sanitize_driver.py > "$OUT/$tool.log" 2>&1
+      STATUS[$tool]=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|Hazard|sanitize_driver:" "$OUT/$tool.log" | tail -15
+    fi
+  done
+
+  if want bench; then
+    stage benchmark
+    timeout ${HJ_BENCH_TIMEOUT:-150} python3 benchmarks/bench_quick.py --out "$OUT/bench_quick.json" --samples 20
+    STATUS[bench]=$?
+  fi
+
+  stage summary
+  python3 - "$OUT" <<'EOF'
+import json, os, sys, xml.etree.ElementTree as ET
+out = sys.argv[1]
+for name in ("junit_cuda.xml", "junit.xml"):
+    path = os.path.join(out, name)
+    if os.path.exists(path):
+        root = ET.parse(path).getroot()
+        suites = [root] if root.tag == "testsuite" else list(root)
+        c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+        print(f"{name:16s} tests={c['tests']} failures={c['failures']} errors={c['errors']} skipped={c['skipped']}")
+for tool in ("memcheck", "racecheck"):
+    path = os.path.join(out, f"{tool}.log")
+    if os.path.exists(path):
+        lines = [l.strip() for l in open(path, errors="replace") if "SUMMARY" in l or "sanitize_driver:" in l]
+        print(f"{tool:16s} " + (" | ".join(lines[-2:]) if lines else "no summary (see log)"))
+path = os.path.join(out, "bench_quick.json")
+if os.path.exists(path):
+    r = json.load(open(path))
+    print("ceilings", r["ceilings"])
+    print(f"{'shape':14s} {'fmt':6s} {'M':>5s} {'ours ms':>9s} {'idx ms':>9s} {'grp ms':>9s} {'ragged ms':>10s} {'x ragged':>8s}")
+    rows = r["rows"]
+    key = lambda x: (x["shape"], x["format"], x["M"])
+    for x in rows:
+        if x["system"] != "humming_jax":
+            continue
+        same = {y["system"]: y["median_ms"] for y in rows if key(y) == key(x)}
+        print(f"{x['shape']:14s} {x['format']:6s} {x['M']:5d} {same['humming_jax']:9.3f} {same['humming_jax/indexed']:9.3f} "
+              f"{same['humming_jax/grouped']:9.3f} {same['ragged_dot']:10.3f} {same['ragged_dot'] / same['humming_jax']:7.2f}x")
+EOF
+  for s in "${!STATUS[@]}"; do echo "stage $s: exit ${STATUS[$s]}"; done
+  echo "total $(( $(date +%s) - T0 )) s"
+} 2>&1 | tee "$LOG"

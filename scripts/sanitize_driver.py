@@ -1,0 +1,162 @@
+"""Runs every humming_jax custom call on the GPU at small shapes, every weight type and layout, for
+compute-sanitizer (memcheck, racecheck):
+
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
+
+Shapes are chosen to reach the kernels' edge paths: N not a multiple of the tile, K not a multiple
+of 8 or 32, scale groups narrower than 8 columns, empty experts, padding ids, zero tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# One device allocation per buffer, so out-of-bounds accesses past a buffer's end are caught.
+os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import humming_jax as hj  # noqa: E402
+from humming_jax._abi import WeightType  # noqa: E402
+from humming_jax.activations import ACTIVATIONS  # noqa: E402
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts, indexed_block_m  # noqa: E402
+from humming_jax.ops import activation as act_ops  # noqa: E402
+from humming_jax.ops import finalize as fin_ops  # noqa: E402
+from humming_jax.ops import gemm as gemm_ops  # noqa: E402
+from humming_jax.ops import routing as routing_ops  # noqa: E402
+from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
+from humming_jax.weights import PackedWeight  # noqa: E402
+
+rng = np.random.default_rng(0)
+calls = 0
+
+
+def run(fn, *args):
+    global calls
+    calls += 1
+    return jax.block_until_ready(jax.jit(fn)(*args))
+
+
+def routing_inputs(m, k, e_global, e_local, pad):
+    ids = rng.integers(0, e_global, (m, k)).astype(np.int32)
+    ids = np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32)
+    emap = np.full(e_global, -1, np.int32)
+    emap[rng.permutation(e_global)[:e_local]] = np.arange(e_local)
+    return jnp.asarray(ids), jnp.asarray(emap)
+
+
+def gemm_all_forms(w, bias, dtype, quant, m=13, topk=2, t=5):
+    e, n, k = w.shape
+    agk = quant[1] if quant else 0
+
+    def act(x):
+        return act_ops.quantize(x, *quant) if quant else (x, None)
+
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    ids, emap = routing_inputs(m, topk, e + 1, e, 0.2)
+    bm = indexed_block_m(m * topk, e)
+
+    def indexed(x, ids, emap, w, bias):
+        r = routing_ops.routing_indexed(ids, emap, e, bm)
+        a, s = act(x)
+        return gemm_ops.gemm_indexed(a, s, w, bias, r, rows=m * topk, gather_div=topk, block_m=bm, out_dtype=dtype,
+                                     act_group_k=agk)
+
+    def grouped(x, ids, emap, w, bias):
+        r = routing_ops.routing_grouped(ids, emap, e)
+        a, s = act(routing_ops.permute_rows(x, r, topk))
+        return gemm_ops.gemm_grouped(a, s, w, bias, r.expert_first_token_offset, out_dtype=dtype, act_group_k=agk)
+
+    xb = jnp.asarray(rng.standard_normal((e, t, k)), dtype)
+    counts = jnp.asarray(rng.integers(-1, t + 2, e).astype(np.int32))
+
+    def batched(xb, counts, w, bias, out):
+        a, s = act(xb.reshape(e * t, k))
+        a = a.reshape(e, t, k)
+        c = gemm_ops.gemm_batched(a, s, w, bias, counts, out_dtype=dtype, act_group_k=agk)
+        return c, gemm_ops.gemm_batched(a, s, w, bias, counts, out_dtype=dtype, act_group_k=agk, out=out)
+
+    run(indexed, x, ids, emap, w, bias)
+    run(grouped, x, ids, emap, w, bias)
+    run(batched, xb, counts, w, bias, jnp.zeros((e, t, n), dtype))
+
+
+def custom_weight(wtype, e, n, k, gk, *, zero=False, scale_dtype=np.float32, scale2=False):
+    cols = -(-k // gk)
+    scale = jnp.asarray((rng.random((e, n, cols)) * 0.05 + 0.01).astype(scale_dtype))
+    if wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
+        data = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)).astype(np.uint8))
+    elif wtype == WeightType.INT8:
+        data = jnp.asarray(rng.integers(-127, 128, (e, n, k)).astype(np.int8))
+    else:
+        data = jnp.asarray(rng.standard_normal((e, n, k)).astype(ml_dtypes.float8_e4m3fn))
+    z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
+    s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
+    return PackedWeight(data, scale, z, s2, wtype, k, 1, gk)
+
+
+def main() -> None:
+    # --cpu: the same calls on the CPU backend (checks this script where there is no GPU).
+    if "--cpu" not in sys.argv:
+        assert hj.cuda_available(), hj._ffi.backend_report()
+    # Routing and permutation, including zero tokens and per-expert padding of block_m = 5.
+    for m, k, eg, el, bm in [(0, 2, 4, 4, 16), (1, 8, 16, 16, 16), (37, 3, 9, 5, 5), (200, 4, 32, 32, 64)]:
+        ids, emap = routing_inputs(m, k, eg, el, 0.1)
+        run(lambda i, e: routing_ops.routing_indexed(i, e, el, bm), ids, emap)
+        run(lambda i, e: routing_ops.routing_grouped(i, e, el), ids, emap)
+    for cols in (64, 33):
+        ids, emap = routing_inputs(21, 3, 6, 6, 0.2)
+        x = jnp.asarray(rng.standard_normal((21, cols)), jnp.bfloat16)
+        run(lambda x, i, e: routing_ops.permute_rows(x, routing_ops.routing_grouped(i, e, 6), 3), x, ids, emap)
+
+    # GEMMs: every scheme (every weight type and activation quantization), then odd layouts.
+    for name, spec in sorted(SCHEMES.items()):
+        e, n, k = 3, 72, 256
+        w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
+        bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
+        gemm_all_forms(w, bias, spec.default_dtype, act_quant_params(spec.act_key))
+    gemm_all_forms(custom_weight(WeightType.UINT4, 3, 40, 48, 12, zero=True), None, jnp.bfloat16, None)
+    gemm_all_forms(custom_weight(WeightType.INT8, 3, 40, 38, 38, scale_dtype=np.float16), None, jnp.float16, None)
+    gemm_all_forms(custom_weight(WeightType.FP8_E4M3, 2, 24, 100, 4, scale2=True), None, jnp.bfloat16, None)
+    gemm_all_forms(custom_weight(WeightType.FP4_E2M1, 2, 24, 96, 32), None, jnp.bfloat16, ("fp8", 0))
+    gemm_all_forms(custom_weight(WeightType.INT8, 2, 24, 48, 16), None, jnp.float16, ("int8", 16))
+    gemm_all_forms(PackedWeight(jnp.asarray(rng.standard_normal((2, 130, 21)), jnp.float16), wtype=WeightType.FLOAT,
+                                k=21), None, jnp.float16, None)
+
+    # Activation, fused quantization, quantization, finalize.
+    x = jnp.asarray(rng.standard_normal((9, 2 * 136)), jnp.bfloat16)
+    for name in sorted(ACTIVATIONS):
+        run(lambda x: act_ops.activation(x, name, None), x)
+    for quant, gk in [("fp8", 0), ("fp8", 8), ("int8", 0), ("int8", 136)]:
+        run(lambda x: act_ops.activation_quant(x, "silu", None, quant, gk), x)
+        run(lambda x: act_ops.quantize(x, quant, gk), x)
+    for h, dtype in [(64, jnp.bfloat16), (37, jnp.float16)]:
+        d = jnp.asarray(rng.standard_normal((30, h)), dtype)
+        src = jnp.asarray(rng.integers(-1, 33, (11, 3)).astype(np.int32))
+        w = jnp.asarray(rng.random((11, 3)).astype(np.float32))
+        run(lambda d, w, s, o: fin_ops.finalize(d, w, s, o), d, w, src, jnp.zeros((11, h), dtype))
+
+    # Whole layers, including zero tokens.
+    for scheme in ("bf16", "w4a16-int4-g128", "w8a8-fp8-block128"):
+        wts = hj.quantize_moe_weights(rng.standard_normal((4, 256, 128)) / 11, rng.standard_normal((4, 128, 128)) / 11,
+                                      scheme)
+        for m in (0, 7):
+            x = jnp.asarray(rng.standard_normal((m, 128)), jnp.bfloat16)
+            tw = jnp.asarray(rng.random((m, 2)).astype(np.float32))
+            ids, _ = routing_inputs(m, 2, 6, 4, 0.1)
+            for cls in (IndexedExperts, GroupedExperts):
+                run(lambda o, x, w, tw, ids, cls=cls: cls().apply(o, x, w, tw, ids), jnp.zeros_like(x), x, wts, tw, ids)
+        xb = jnp.asarray(rng.standard_normal((4, 6, 128)), jnp.bfloat16)
+        cnt = jnp.asarray([0, 6, 3, 9], jnp.int32)
+        run(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c), jnp.zeros_like(xb), xb,
+            wts, cnt)
+    print(f"sanitize_driver: {calls} jitted calls completed")
+
+
+if __name__ == "__main__":
+    main()

@@ -129,7 +129,7 @@ class HummingMoE(nnx.Module):
     Keyword-only extras: ``dtype`` (activation dtype of the experts; the scheme's default),
     ``shared_intermediate_size`` / ``shared_expert_gate`` (add a shared expert, with Qwen2-MoE's
     sigmoid gate), ``routed_scaling_factor`` (multiplies the routing weights, DeepSeek style),
-    ``gemm_type`` (passed to ``fused_moe``), ``mesh`` / ``expert_axis`` / ``ep_mode`` (expert
+    ``router_bias`` (a router bias, as gpt-oss has; off by default), ``gemm_type`` (passed to ``fused_moe``), ``mesh`` / ``expert_axis`` / ``ep_mode`` (expert
     parallelism through ``humming_jax.parallel``: experts sharded E/n over ``expert_axis`` and
     calls run ``ep_moe``), ``experts`` (pre-built ``MoEWeights``, skipping the random init).
     """
@@ -150,6 +150,7 @@ class HummingMoE(nnx.Module):
         shared_intermediate_size: int | None = None,
         shared_expert_gate: bool = False,
         routed_scaling_factor: float = 1.0,
+        router_bias: bool = False,
         gemm_type: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         expert_axis: str = "ep",
@@ -189,7 +190,7 @@ class HummingMoE(nnx.Module):
         self.expert_axis = expert_axis
         self.ep_mode = ep_mode
         self.router = nnx.Linear(
-            hidden_size, num_experts, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
+            hidden_size, num_experts, use_bias=router_bias, dtype=jnp.float32, param_dtype=jnp.float32,
             precision=jax.lax.Precision.HIGHEST, rngs=rngs,
         )
         if mesh is not None and not _is_tracer(jax.tree.leaves(experts)[0]):
@@ -219,6 +220,7 @@ class HummingMoE(nnx.Module):
         dtype: Any = None,
         shared_expert: Mapping[str, Any] | None = None,
         routed_scaling_factor: float = 1.0,
+        router_bias: Any = None,
         gemm_type: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         expert_axis: str = "ep",
@@ -232,7 +234,7 @@ class HummingMoE(nnx.Module):
         in which case ``scheme`` is ignored. ``router_kernel`` is [H, E] (Flax layout: a
         PyTorch/safetensors router ``weight`` [E, H] transposed). ``shared_expert``: optional dict
         of [in, out] kernels ``gate_proj`` [H, Is], ``up_proj`` [H, Is], ``down_proj`` [Is, H]
-        and optionally ``gate`` [H, 1]."""
+        and optionally ``gate`` [H, 1]. ``router_bias``: optional [E] bias of the router logits."""
         if isinstance(w13, MoEWeights):
             if w2 is not None:
                 raise ValueError("w13 is MoEWeights (kernel format); pass w2=None")
@@ -256,10 +258,16 @@ class HummingMoE(nnx.Module):
             e, h, i, top_k, scheme=weights.scheme, activation=activation, scoring=scoring, renormalize=renormalize,
             rngs=nnx.Rngs(0), shared_intermediate_size=shared_i,
             shared_expert_gate=shared_expert is not None and "gate" in shared_expert,
-            routed_scaling_factor=routed_scaling_factor, gemm_type=gemm_type, mesh=mesh, expert_axis=expert_axis,
+            routed_scaling_factor=routed_scaling_factor, router_bias=router_bias is not None, gemm_type=gemm_type,
+            mesh=mesh, expert_axis=expert_axis,
             ep_mode=ep_mode, experts=weights,
         )
         layer.router.kernel.set_value(kernel)
+        if router_bias is not None:
+            bias = jnp.asarray(router_bias, jnp.float32)
+            if bias.shape != (e,):
+                raise ValueError(f"router_bias must be [E] = ({e},), got {tuple(bias.shape)}")
+            layer.router.bias.set_value(bias)
         if shared_expert is not None:
             se = layer.shared_expert
             for name in ("gate_proj", "up_proj", "down_proj", "gate"):

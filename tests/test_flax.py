@@ -141,6 +141,26 @@ def test_from_weights(rng):
         HummingMoE.from_weights(w13, w2, kernel.T, top_k=K)
 
 
+def test_from_weights_swigluoai_with_router_bias(rng):
+    # gpt-oss's shape of layer: interleaved gate/up, expert biases, a router bias.
+    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32) / np.sqrt(H)
+    w2 = rng.standard_normal((E, H, I)).astype(np.float32) / np.sqrt(I)
+    weights = hj.quantize_moe_weights(w13, w2, "w4a16-mxfp4", b13=rng.standard_normal((E, 2 * I)) * 0.1,
+                                      b2=rng.standard_normal((E, H)) * 0.1)
+    kernel = rng.standard_normal((H, E)).astype(np.float32)
+    bias = rng.standard_normal((E,)).astype(np.float32)
+    layer = HummingMoE.from_weights(weights, None, kernel, top_k=K, activation="swigluoai", router_bias=bias)
+    np.testing.assert_array_equal(np.asarray(layer.router.bias.get_value()), bias)
+    x = inputs(rng)
+    d13, d2 = weights.dequantize()
+    x2 = x.reshape(-1, H)
+    logits = jnp.matmul(x2.astype(jnp.float32), kernel, precision=HI) + bias
+    tw, ids = jax.lax.top_k(jax.nn.softmax(logits, -1), K)
+    want = moe_reference(x2, d13, d2, tw / tw.sum(-1, keepdims=True), ids.astype(jnp.int32), activation="swigluoai",
+                         b13=weights.b13, b2=weights.b2).reshape(x.shape)
+    assert relative_error(run(layer, x), want) < TOL[jnp.dtype(jnp.bfloat16)]
+
+
 def test_caller_owned_out(rng):
     layer = HummingMoE(E, H, I, K, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     x = inputs(rng, (6, H))

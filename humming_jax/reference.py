@@ -32,9 +32,13 @@ def fake_quantize(x: jax.Array, quant: InputQuant) -> jax.Array:
     g = quant.group_k or k
     grouped = v.reshape(*v.shape[:-1], k // g, g)
     qmax = 448.0 if quant.kind == "fp8" else 127.0
-    scale = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True) / jnp.float32(qmax)
+    absmax = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True)
+    # XLA may rewrite a division by a constant or a broadcast into a multiplication by its
+    # reciprocal (one ulp off); the barriers keep both divisions true IEEE divisions, as in the kernels.
+    barrier = jax.lax.optimization_barrier
+    scale = absmax / barrier(jnp.full_like(absmax, qmax))
     safe = jnp.where(scale > 0, scale, 1.0)
-    code = jnp.where(scale > 0, grouped / safe, 0.0)
+    code = jnp.where(scale > 0, grouped / barrier(jnp.broadcast_to(safe, grouped.shape)), 0.0)
     if quant.kind == "fp8":
         code = jnp.clip(code, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     else:

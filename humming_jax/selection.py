@@ -58,6 +58,9 @@ def select_experts(
         if not reasons:
             return cls
         rejected.append(f"{cls.__name__}: " + "; ".join(reasons))
-    raise ValueError(
-        f"no {fmt}-format expert class can run this layer (preference {choice!r}):\n  " + "\n  ".join(rejected)
-    )
+    message = f"no {fmt}-format expert class can run this layer (preference {choice!r}):\n  " + "\n  ".join(rejected)
+    if any("unsupported quant scheme" in r for r in rejected):
+        from .schemas import supported_pairs_text
+
+        message += "\nsupported (weight, activation) pairs:\n" + supported_pairs_text()
+    raise ValueError(message)

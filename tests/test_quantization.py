@@ -32,12 +32,11 @@ from humming_jax.reference import InputQuant, batched_reference, moe_reference, 
 
 E, H, I, M, TOPK, T = 4, 256, 128, 16, 2, 8  # groups of 128 need H and I multiples of 128
 
-# Against ``moe_reference`` the 8-bit-activation schemes get one activation-code step on top of
-# the 16-bit tolerance: the jnp oracle's dynamic quantization is not bit-faithful under XLA
-# (``x / broadcast(scale)`` and ``absmax / 448`` become multiplications by a reciprocal, an ulp
-# off), so exact ties of the 8-bit rounding can resolve the other way and move a whole row's
-# codes. The independent NumPy oracle below divides exactly and is held to the 16-bit tolerance.
-ACT_QUANT_EXTRA = {"fp8": 2.0**-4, "int8": 2.0**-7}
+# Against ``moe_reference`` the 8-bit-activation schemes get a small allowance on top of the
+# 16-bit tolerance: an activation value one float32 ulp apart between implementations (exp/erf)
+# can land on the other side of an 8-bit rounding boundary and move that code by one step.
+# The independent NumPy oracle below is held to the 16-bit tolerance.
+ACT_QUANT_EXTRA = {"fp8": 2.0**-7, "int8": 2.0**-9}
 
 
 def _weights(rng: np.random.Generator, scheme: str, activation: str = "silu") -> hj.MoEWeights:

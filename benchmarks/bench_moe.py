@@ -208,7 +208,6 @@ def main(argv=None) -> int:
         os.environ["HUMMING_CACHE_DIR"] = str(Path(args.hk_cache_dir).resolve())
 
     import jax
-    import jax.numpy as jnp  # noqa: F401
 
     import humming_jax as hj
     import jax_systems as js
@@ -258,6 +257,9 @@ def main(argv=None) -> int:
     try:
         if torch_ok:
             run.data["ceilings"] = tpz.ceilings(args.ceiling_matmul_n or 8192, (args.ceiling_copy_mib or 2048) << 20, max(args.repeats, 20))
+            import torch
+
+            torch.cuda.empty_cache()
         else:
             run.data["ceilings"] = js.ceilings_jax(args.ceiling_matmul_n or (8192 if on_gpu else 256),
                                                    (args.ceiling_copy_mib or (2048 if on_gpu else 64)) << 20, max(args.repeats, 5))

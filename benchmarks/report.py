@@ -282,9 +282,11 @@ def summary_text(data: dict) -> str:
             errors.setdefault(key, []).append(f"{r['shape']}/{r['format']}/M={r['M']}/{r['part']}")
     if errors:
         lines.append("errors (system: message -> points):")
-        for k, pts in errors.items():
+        for k, pts in list(errors.items())[:15]:
             more = f" (+{len(pts) - 3} more)" if len(pts) > 3 else ""
             lines.append(f"  {k} -> {', '.join(pts[:3])}{more}")
+        if len(errors) > 15:
+            lines.append(f"  ... {len(errors) - 15} more distinct errors in the JSON")
     c = data.get("ceilings") or {}
     if c:
         lines.append(f"ceilings: copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_tflops']:.1f} TFLOP/s")

@@ -287,6 +287,11 @@ def summary_text(data: dict) -> str:
             lines.append(f"  {k} -> {', '.join(pts[:3])}{more}")
         if len(errors) > 15:
             lines.append(f"  ... {len(errors) - 15} more distinct errors in the JSON")
+    eager = [r for r in data.get("rows", []) if r.get("mode") == "eager"]
+    if eager:
+        note = next((r.get("note") for r in eager if r.get("note")), "")
+        pts = ", ".join(f"{SHORT[r['system']]} {r['shape']}/{r['format']}/M={r['M']}" for r in eager[:4])
+        lines.append(f"timed eagerly, not as graph replays ({len(eager)} rows: {pts}{' ...' if len(eager) > 4 else ''}): {note[:200]}")
     c = data.get("ceilings") or {}
     if c:
         lines.append(f"ceilings: copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_tflops']:.1f} TFLOP/s")

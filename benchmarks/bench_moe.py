@@ -338,6 +338,7 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
         common = dict(chain=r_sets)
         t_point = time.monotonic()
         outputs = {}
+        first_row = len(run.data["rows"])
         jp = js.JaxPoint(point, weights)
         for system in [s for s in systems if s in JAX_SYSTEMS]:
             for part in parts_for(system, parts, args.all_parts):
@@ -369,9 +370,8 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
             run.ragged_shapes.add(shape)
         ref = outputs.get("ragged_dot")
         if ref is not None:
-            for row in run.data["rows"][-12:]:
-                if (row["shape"], row["format"], row["M"], row["routing"], row["part"]) == (shape, fmt, m, routing, "layer") \
-                        and row["system"] in outputs and row["system"] != "ragged_dot":
+            for row in run.data["rows"][first_row:]:
+                if row["part"] == "layer" and row["system"] in outputs and row["system"] != "ragged_dot":
                     row["rel_err_vs_ragged_dot"] = round(js.rel_err(outputs[row["system"]], ref), 5)
         del outputs, jp
 

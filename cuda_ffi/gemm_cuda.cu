@@ -45,6 +45,20 @@ Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
                            "multiples of 16 (or span K); got " + std::to_string(w.group_k) + " and " +
                            std::to_string(p.a.group_k));
   }
+  if (w.type != WeightType::kFloat) {
+    if (w.N > INT32_MAX || K > INT32_MAX || w.group_n > INT32_MAX || w.group_k > INT32_MAX ||
+        w.E * w.scale_rows() * w.scale_cols() > INT32_MAX)
+      return invalid(call, "weight shapes beyond 32-bit scale indexing are not supported");
+    L->group_n = static_cast<uint32_t>(w.group_n);
+    L->group_k = static_cast<uint32_t>(w.group_k);
+    L->scale_rows = static_cast<uint32_t>(w.scale_rows());
+    L->scale_cols = static_cast<uint32_t>(w.scale_cols());
+  }
+  if (p.a.quantized()) {
+    if (p.a.group_k > INT32_MAX) return invalid(call, "act_group_k is too large");
+    L->a_group_k = static_cast<uint32_t>(p.a.group_k);
+    L->a_scale_cols = static_cast<uint32_t>(p.a.scale_cols());
+  }
   if ((p.N + gemm::kBN - 1) / gemm::kBN > 65535)
     return invalid(call, "N = " + std::to_string(p.N) + " is too large");
   return Error::Success();

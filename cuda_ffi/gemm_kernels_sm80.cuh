@@ -51,6 +51,9 @@ struct GemmLaunch {
   bool vec_w;      // likewise for weight chunks
   bool w_uniform;  // one scale (and zero point) per 8-element weight chunk
   int period;      // 8-bit activations: K columns that share one scale pair (16 or 32)
+  // The weight scale grid in 32-bit terms (divisions by group sizes are the costly part of an
+  // index); the host checks that every index fits.
+  uint32_t group_n, group_k, scale_rows, scale_cols, a_group_k, a_scale_cols;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -152,9 +155,10 @@ __device__ __forceinline__ uint4 load_w_chunk(const GemmLaunch& L, int64_t e, in
   const WeightView& w = L.p.w;
   const int64_t K = L.p.K;
   if (n >= w.N || k >= K) return r;
+  // Float weights are addressed in elements, codes in bytes (row_bytes counts K elements for both).
   const uint8_t* row = static_cast<const uint8_t*>(w.data) + (e * w.N + n) * w.row_bytes();
   if constexpr (WT == WeightType::kFloat) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + k;
+    const uint16_t* p = static_cast<const uint16_t*>(w.data) + (e * w.N + n) * K + k;
     if (L.vec_w && k + 8 <= K) return *reinterpret_cast<const uint4*>(p);
     uint32_t v[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -345,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const __grid_constant
     const int periods = kQ8 ? kBK / L.period : 1;
     const float s2 = w.scale2 ? w.scale2[expert] : 1.0f;
     const bool a_fp8 = p.a.type == ElemType::kE4M3;
-    const int64_t a_scols = kQ8 ? p.a.scale_cols() : 1;
+    const int64_t a_scols = L.a_scale_cols;
 
     uint4 ra[A_ITERS];
     uint4 rw[W_ITERS];
@@ -355,7 +359,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const __grid_constant
     float rwsp[2] = {0.0f, 0.0f};  // kQ8: this thread's weight scale entries
 
     auto scale_index = [&](int64_t n, int64_t k) {
-      return (expert * w.scale_rows() + n / w.group_n) * w.scale_cols() + k / w.group_k;
+      const uint32_t sn = L.group_n == 1 ? static_cast<uint32_t>(n) : static_cast<uint32_t>(n) / L.group_n;
+      const uint32_t sk = static_cast<uint32_t>(k) / L.group_k;
+      return (expert * L.scale_rows + sn) * static_cast<int64_t>(L.scale_cols) + sk;
     };
 
     auto load_stage = [&](int64_t k0) {
@@ -383,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(const __grid_constant
         if (tid < BM * periods) {
           const int row = tid % BM, pc = tid / BM;
           const int64_t ar = s_arow[row], k = k0 + pc * L.period;
-          ras = (ar >= 0 && k < K) ? p.a.scale[ar * a_scols + k / p.a.group_k] : 0.0f;
+          ras = (ar >= 0 && k < K) ? p.a.scale[ar * a_scols + static_cast<uint32_t>(k) / L.a_group_k] : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {

@@ -19,7 +19,7 @@ T0=$(date +%s)
 declare -A STATUS
 
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
-stage() { echo; echo "=== $1 ($(( $(date +%s) - T0 )) s) ==="; }
+stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
 
 {
   cp .gpu/*.so humming_jax/ || { echo "no carried libraries in .gpu/ (run scripts/build_gpu_artifacts.sh)"; exit 2; }

@@ -7,7 +7,8 @@ bias) rounded to the output dtype; the weighted sum over k accumulated in float3
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,25 @@ from .activations import apply_activation
 _HI = jax.lax.Precision.HIGHEST
 
 
+def _on_host(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """Evaluates the oracle on the CPU, whose float32 arithmetic is plain IEEE (a GPU backend may
+    use approximate division or transcendentals, which moves 8-bit rounding ties). Under a trace
+    (inside jit) it runs where it is traced."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> jax.Array:
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return fn(*args, **kwargs)
+        cpu = jax.devices("cpu")[0]
+        move = lambda x: jax.device_put(x, cpu) if isinstance(x, (jax.Array, np.ndarray)) else x  # noqa: E731
+        args, kwargs = jax.tree_util.tree_map(move, (args, kwargs))
+        with jax.default_device(cpu):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 class InputQuant(NamedTuple):
     """Dynamic activation quantization: ``kind`` "fp8" or "int8"; ``group_k`` 0 = per token."""
 
@@ -25,6 +45,7 @@ class InputQuant(NamedTuple):
     group_k: int
 
 
+@_on_host
 def fake_quantize(x: jax.Array, quant: InputQuant) -> jax.Array:
     """The float32 values a kernel sees after dynamic quantization of x [..., K] (codes * scale)."""
     v = x.astype(jnp.float32)
@@ -75,6 +96,7 @@ def _prepare_x(hidden_states: jax.Array, quant: InputQuant | None) -> jax.Array:
     return fake_quantize(x, quant) if quant is not None else x.astype(jnp.float32)
 
 
+@_on_host
 def moe_reference(
     hidden_states: jax.Array,
     w13: jax.Array,
@@ -127,6 +149,7 @@ def moe_reference(
     return acc.astype(dtype)
 
 
+@_on_host
 def batched_reference(
     hidden_states: jax.Array,
     w13: jax.Array,

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 STAGES=${HJ_STAGES:-report,cuda_tests,tests,memcheck,racecheck,bench}
-PYTEST_ARGS=${HJ_PYTEST_ARGS:--x}
+PYTEST_ARGS=${HJ_PYTEST_ARGS:---maxfail=50}
 LOG="$OUT/gpu_check.log"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 T0=$(date +%s)

@@ -169,6 +169,9 @@ def synthetic_weights(fmt: str, e: int, h: int, i: int, seed: int):
             data = _normal(k1, (e, n, kk), 1.0 / math.sqrt(kk), dtype)
             return PackedWeight(data, wtype=WeightType.FLOAT, k=kk)
         if name == "w4a16-int4-g128":
+            if kk % 128:
+                # Same rule as quantize_moe_weights: groups of 128 must tile K (gpt-oss has K = 2880).
+                raise ValueError(f"{name} not applicable: K = {kk} is not a multiple of 128")
             data = _bytes(k1, (e, n, kk // 2))
             # codes q-8 in [-8, 7] have mean square 21.5
             scale = _uniform(k2, (e, n, kk // 128), 1.0 / math.sqrt(21.5 * kk), dtype)

@@ -67,28 +67,36 @@ def fake_quantize(x: jax.Array, quant: InputQuant) -> jax.Array:
     return (code * scale).reshape(v.shape)
 
 
-def _expert_mlp(
-    x: jax.Array,
-    w13: jax.Array,
-    w2: jax.Array,
-    b13: jax.Array | None,
-    b2: jax.Array | None,
-    dtype: Any,
-    activation: str,
-    limit: float | None,
-    quant: InputQuant | None,
-) -> jax.Array:
-    """d for all rows of x through one expert: float32 values already rounded to dtype."""
-    gu = jnp.matmul(x, w13.T, precision=_HI)
-    if b13 is not None:
-        gu = gu + b13
-    gu = gu.astype(dtype).astype(jnp.float32)
-    a = apply_activation(gu, activation, limit)
-    a = fake_quantize(a, quant) if quant is not None else a.astype(dtype).astype(jnp.float32)
-    d = jnp.matmul(a, w2.T, precision=_HI)
-    if b2 is not None:
-        d = d + b2
-    return d.astype(dtype).astype(jnp.float32)
+class _Experts(NamedTuple):
+    """Float32 expert weights and biases, and how the MLP rounds (shared by both oracles)."""
+
+    w13: jax.Array
+    w2: jax.Array
+    b13: jax.Array | None
+    b2: jax.Array | None
+    dtype: Any
+    activation: str
+    limit: float | None
+    quant: InputQuant | None
+
+    @classmethod
+    def build(cls, w13: Any, w2: Any, b13: Any, b2: Any, dtype: Any, activation: str, limit: float | None,
+              quant: InputQuant | None) -> "_Experts":
+        f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)  # noqa: E731
+        return cls(f32(w13), f32(w2), f32(b13), f32(b2), dtype, activation, limit, quant)
+
+    def mlp(self, x: jax.Array, e: Any) -> jax.Array:
+        """d for all rows of x through expert e: float32 values already rounded to dtype."""
+        gu = jnp.matmul(x, self.w13[e].T, precision=_HI)
+        if self.b13 is not None:
+            gu = gu + self.b13[e]
+        gu = gu.astype(self.dtype).astype(jnp.float32)
+        a = apply_activation(gu, self.activation, self.limit)
+        a = fake_quantize(a, self.quant) if self.quant is not None else a.astype(self.dtype).astype(jnp.float32)
+        d = jnp.matmul(a, self.w2[e].T, precision=_HI)
+        if self.b2 is not None:
+            d = d + self.b2[e]
+        return d.astype(self.dtype).astype(jnp.float32)
 
 
 def _prepare_x(hidden_states: jax.Array, quant: InputQuant | None) -> jax.Array:
@@ -116,9 +124,8 @@ def moe_reference(
 
     Ids outside [0, E_global) and ids that ``expert_map`` sends to -1 are skipped."""
     dtype = jnp.asarray(hidden_states).dtype
-    w13 = jnp.asarray(w13, jnp.float32)
-    w2 = jnp.asarray(w2, jnp.float32)
-    num_local = w13.shape[0]
+    experts = _Experts.build(w13, w2, b13, b2, dtype, activation, activation_limit, input_quant)
+    num_local = experts.w13.shape[0]
     ids = jnp.asarray(topk_ids).astype(jnp.int32)
     if expert_map is None:
         expert_map = jnp.arange(num_local, dtype=jnp.int32)
@@ -130,21 +137,11 @@ def moe_reference(
     x = _prepare_x(hidden_states, input_quant)
 
     def body(acc: jax.Array, e: jax.Array) -> tuple[jax.Array, None]:
-        d = _expert_mlp(
-            x,
-            w13[e],
-            w2[e],
-            None if b13 is None else jnp.asarray(b13, jnp.float32)[e],
-            None if b2 is None else jnp.asarray(b2, jnp.float32)[e],
-            dtype,
-            activation,
-            activation_limit,
-            input_quant,
-        )
+        d = experts.mlp(x, e)
         coef = jnp.sum(jnp.where(local == e, weights, 0.0), axis=1)  # [M]
         return acc + coef[:, None] * d, None
 
-    acc0 = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
+    acc0 = jnp.zeros((x.shape[0], experts.w2.shape[1]), jnp.float32)
     acc, _ = jax.lax.scan(body, acc0, jnp.arange(num_local))
     return acc.astype(dtype)
 
@@ -165,21 +162,10 @@ def batched_reference(
     """Batched format: hidden_states [E, T, H] -> [E, T, H]; rows t >= expert_num_tokens[e] are 0."""
     hs = jnp.asarray(hidden_states)
     dtype = hs.dtype
-    w13 = jnp.asarray(w13, jnp.float32)
-    w2 = jnp.asarray(w2, jnp.float32)
+    experts = _Experts.build(w13, w2, b13, b2, dtype, activation, activation_limit, input_quant)
     rows = []
     for e in range(hs.shape[0]):
-        d = _expert_mlp(
-            _prepare_x(hs[e], input_quant),
-            w13[e],
-            w2[e],
-            None if b13 is None else jnp.asarray(b13, jnp.float32)[e],
-            None if b2 is None else jnp.asarray(b2, jnp.float32)[e],
-            dtype,
-            activation,
-            activation_limit,
-            input_quant,
-        )
+        d = experts.mlp(_prepare_x(hs[e], input_quant), e)
         live = jnp.arange(hs.shape[1]) < jnp.asarray(expert_num_tokens)[e]
         rows.append(jnp.where(live[:, None], d, 0.0))
     return jnp.stack(rows).astype(dtype)

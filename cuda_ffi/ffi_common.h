@@ -315,6 +315,20 @@ inline Error check_grouped_layout(const std::string& call, const AnyBuffer& a, c
   return check_no_overlap(call, {span_of("c", c)}, {span_of("expert_first_token_offset", offsets)});
 }
 
+// gemm_grouped's workspace: a uint8 vector, a result like c, so it overlaps neither c nor any
+// operand (SPEC §5). Its size is the wrapper's bound; the kernel that uses it checks it is enough.
+inline Error check_grouped_workspace(const std::string& call, const AnyBuffer& workspace, const AnyBuffer& c,
+                                     const AnyBuffer& a, const AnyBuffer& a_scale, const AnyBuffer& qweight,
+                                     const AnyBuffer& scale, const AnyBuffer& zero, const AnyBuffer& scale2,
+                                     const AnyBuffer& bias, const AnyBuffer& offsets) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "workspace", workspace, 1));
+  if (workspace.element_type() != ffi::DataType::U8) return invalid(call, "workspace must be uint8");
+  return check_no_overlap(call, {span_of("workspace", workspace), span_of("c", c)},
+                          {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
+                           span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
+                           span_of("bias", bias), span_of("expert_first_token_offset", offsets)});
+}
+
 inline Error check_batched_layout(const std::string& call, const AnyBuffer& a, const AnyBuffer& c,
                                   const AnyBuffer& counts, int64_t num_experts) {
   if (rank(a) != 3) return invalid(call, "a must be [E, T, K]");
@@ -364,12 +378,13 @@ auto bind_gemm_indexed() {
       .template Attr<int64_t>("block_m");
 }
 
-// gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c
+// gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace
 template <typename PlatformCtx>
 auto bind_gemm_grouped() {
   return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
       .template Arg<AnyBuffer>()  // expert_first_token_offset [E + 1]
       .template Ret<AnyBuffer>()  // c [R, N]
+      .template Ret<AnyBuffer>()  // workspace [bytes] uint8: scratch of the CUDA prefill kernel
       HJ_GEMM_ATTRS;
 }
 

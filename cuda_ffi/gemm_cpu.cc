@@ -81,8 +81,8 @@ Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
 
 Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                      AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
-                     int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
-                     int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+                     Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
+                     int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
   const std::string call = "gemm_grouped";
   GemmProblem p;
   HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
@@ -90,6 +90,9 @@ Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
                                            act_group_k),
                                 *c, &p));
   HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, *c, offsets, p.w.E));
+  // The CPU needs no scratch: the workspace is validated and left untouched.
+  HJ_RETURN_IF_ERROR(
+      check_grouped_workspace(call, *workspace, *c, a, a_scale, qweight, scale, zero, scale2, bias, offsets));
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
   const int64_t R = dim(a, 0);
   std::vector<RowRun> runs;

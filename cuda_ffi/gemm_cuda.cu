@@ -6,6 +6,9 @@
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 #include "gemm_kernels_sm80.cuh"
+#if defined(HUMMING_JAX_FAST_PATHS)
+#include "gemm_prefill_sm90.h"
+#endif
 
 namespace hj {
 namespace {
@@ -114,8 +117,8 @@ Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
 
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
                       AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
-                      int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
-                      int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+                      Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
+                      int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
   const std::string call = "gemm_grouped";
   GemmProblem p;
   HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
@@ -123,8 +126,18 @@ Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
                                            act_group_k),
                                 *c, &p));
   HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, *c, offsets, p.w.E));
+  HJ_RETURN_IF_ERROR(
+      check_grouped_workspace(call, *workspace, *c, a, a_scale, qweight, scale, zero, scale2, bias, offsets));
   const int64_t R = dim(a, 0);
   if (R > INT32_MAX) return invalid(call, "too many rows");
+#if defined(HUMMING_JAX_FAST_PATHS)
+  // Prefill: the CUTLASS grouped GEMM (gemm_prefill_sm90.h) when the problem suits it.
+  bool prefill_ran = false;
+  const Error prefill_err = prefill::try_grouped(call, p, static_cast<const int32_t*>(offsets.untyped_data()), R,
+                                                 workspace->untyped_data(), workspace->size_bytes(), stream,
+                                                 &prefill_ran);
+  if (prefill_ran || !prefill_err.success()) return prefill_err;
+#endif
   GemmLaunch L{};
   HJ_RETURN_IF_ERROR(prepare(call, p, &L));
   const int bm = pick_bm(R / (p.w.E > 0 ? p.w.E : 1));

@@ -70,6 +70,20 @@ def gemm_indexed(
     )
 
 
+# The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at
+# most 256 SMs, then per-expert shapes, pointers and strides) is bounded by
+#     GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * E   bytes,
+# the bound cuda_ffi/gemm_prefill_sm90.h states (kWorkspaceBase, kWorkspacePerExpert); the CUDA
+# handler checks the size it needs against what it is given. The CPU handler ignores it.
+GROUPED_WORKSPACE_BASE = 256 * 1024
+GROUPED_WORKSPACE_PER_EXPERT = 256
+
+
+def grouped_workspace_bytes(num_experts: int) -> int:
+    """Bytes of the uint8 workspace result of ``gemm_grouped`` for ``num_experts`` local experts."""
+    return GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * int(num_experts)
+
+
 def gemm_grouped(
     a: jax.Array,
     a_scale: jax.Array | None,
@@ -80,15 +94,22 @@ def gemm_grouped(
     out_dtype: Any,
     act_group_k: int = 0,
 ) -> jax.Array:
-    """Rows [off[e], off[e+1]) of a use expert e; rows past off[E] become zeros: [R, N]."""
+    """Rows [off[e], off[e+1]) of a use expert e; rows past off[E] become zeros: [R, N].
+
+    The call also returns a uint8 workspace (an XLA value, so its buffer is apart from every
+    other live one); it is dropped here."""
     ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
-    return _ffi.call(
+    c, _workspace = _ffi.call(
         "gemm_grouped",
-        jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
+        (
+            jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
+            jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts),), jnp.uint8),
+        ),
         *ops,
         expert_first_token_offset,
         **attrs,
     )
+    return c
 
 
 def gemm_batched(

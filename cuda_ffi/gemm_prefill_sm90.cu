@@ -1,0 +1,164 @@
+// Host side of the prefill grouped GEMM (gemm_prefill_sm90.h): which problems it takes, the
+// device facts it needs, the workspace check, and the call into the kind's translation unit.
+// No CUTLASS header is included here, so this file compiles in seconds.
+#include "gemm_prefill_sm90.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "cuda_launch.cuh"
+
+namespace hj {
+namespace prefill {
+
+namespace {
+// The workspace base is rounded up to this (TMA descriptors must be 64-byte aligned; XLA only
+// promises less for a sub-buffer), and the rounding slack is part of the need.
+constexpr size_t kWorkspaceAlign = 128;
+
+// Prefill GEMMs launched by this process (host-side launches, not graph replays): lets the GPU
+// tests prove that a problem took this path rather than the generic kernel.
+std::atomic<uint64_t> g_launches{0};
+
+// HUMMING_JAX_PREFILL=0 turns the path off at run time (read at each call, so a test or a
+// benchmark can compare with the generic kernel in one process).
+bool disabled_by_env() {
+  const char* v = std::getenv("HUMMING_JAX_PREFILL");
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+}  // namespace
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kBf16: return "bf16";
+    case Kind::kF16: return "fp16";
+    case Kind::kFp8Block128: return "fp8-block128";
+    default: return "none";
+  }
+}
+
+bool current_device(DeviceInfo* info) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  int d = -1;
+  if (cudaGetDevice(&d) != cudaSuccess || d < 0 || d >= 64) {
+    cudaGetLastError();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache[d].device != d) {
+    int sms = 0, major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    cache[d].sm_count = sms < kMaxSms ? sms : kMaxSms;
+    // The kernels are built for sm_90a only: other devices keep the generic kernel.
+    cache[d].sm90 = major == 9 && minor == 0;
+    cache[d].device = d;
+  }
+  *info = cache[d];
+  return true;
+}
+
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
+  const WeightView& w = p.w;
+  const int64_t E = w.E, N = p.N, K = p.K;
+  if (!dev.sm90 || dev.sm_count <= 0) return Kind::kNone;
+  if (E <= 0 || E > kMaxExperts || R <= 0 || R > INT32_MAX || N <= 0 || N > INT32_MAX || K <= 0 ||
+      K > INT32_MAX)
+    return Kind::kNone;
+  // Expected rows per expert, from shapes only (the routing itself stays on the device).
+  if (R < kMinRowsPerExpert * E) return Kind::kNone;
+  // TMA: 16-byte aligned rows and base addresses for A, B and D (and 16-byte bias vectors).
+  if (N % 8 || K % 8) return Kind::kNone;
+  if (!aligned_to(p.a.data, 16) || !aligned_to(w.data, 16) || !aligned_to(p.c, 16)) return Kind::kNone;
+  if (w.bias && !aligned_to(w.bias, 16)) return Kind::kNone;
+  if (w.type == WeightType::kFloat) {
+    if (p.a.quantized() || w.data_type != p.a.type || p.c_type != p.a.type) return Kind::kNone;
+    if (p.a.type == ElemType::kBF16) return Kind::kBf16;
+    if (p.a.type == ElemType::kF16) return Kind::kF16;
+    return Kind::kNone;
+  }
+  // w8a8-fp8-block128: e4m3 codes on both sides, 128 x 128 f32 weight scales, 1 x 128 f32
+  // activation scales, whole blocks only, bf16 out.
+  if (w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.c_type == ElemType::kBF16 &&
+      w.scale_type == ElemType::kF32 && w.zero == nullptr && w.scale2 == nullptr && w.group_n == 128 &&
+      w.group_k == 128 && p.a.group_k == 128 && N % 128 == 0 && K % 128 == 0 && p.a.scale != nullptr)
+    return Kind::kFp8Block128;
+  return Kind::kNone;
+}
+
+size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
+  size_t n = 0;
+  switch (kind) {
+    case Kind::kBf16: n = workspace_bytes_bf16(E, sm_count); break;
+    case Kind::kF16: n = workspace_bytes_f16(E, sm_count); break;
+    case Kind::kFp8Block128: n = workspace_bytes_fp8_block128(E, sm_count); break;
+    default: return 0;
+  }
+  return n + kWorkspaceAlign;
+}
+
+Error run_grouped(const std::string& call, const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream) {
+  const size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
+  if (args.workspace == nullptr || args.workspace_bytes < need)
+    return invalid(call, "the workspace result holds " + std::to_string(args.workspace_bytes) + " bytes; the " +
+                             kind_name(args.kind) + " prefill kernel needs " + std::to_string(need) + " for E = " +
+                             std::to_string(args.E) + " on " + std::to_string(dev.sm_count) + " SMs");
+  GroupedArgs a = args;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(args.workspace);
+  const uintptr_t aligned = (base + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  a.workspace = reinterpret_cast<void*>(aligned);
+  a.workspace_bytes = args.workspace_bytes - (aligned - base);
+  std::string err;
+  switch (args.kind) {
+    case Kind::kBf16: err = run_bf16(a, dev, stream); break;
+    case Kind::kF16: err = run_f16(a, dev, stream); break;
+    case Kind::kFp8Block128: err = run_fp8_block128(a, dev, stream); break;
+    default: return invalid(call, "no prefill kernel for this problem");
+  }
+  if (!err.empty())
+    return Error::Internal("humming_jax." + call + ": prefill " + kind_name(args.kind) + " kernel: " + err);
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+  return Error::Success();
+}
+
+Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
+                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled) {
+  *handled = false;
+  if (disabled_by_env()) return Error::Success();
+  DeviceInfo dev;
+  if (!current_device(&dev)) return Error::Success();
+  const Kind kind = choose(p, R, dev);
+  if (kind == Kind::kNone) return Error::Success();
+  *handled = true;
+  GroupedArgs g;
+  g.kind = kind;
+  g.a = p.a.data;
+  g.a_scale = p.a.scale;
+  g.w = p.w.data;
+  g.w_scale = static_cast<const float*>(p.w.scale);
+  g.bias = p.w.bias;
+  g.offsets = offsets;
+  g.c = p.c;
+  g.R = R;
+  g.N = p.N;
+  g.K = p.K;
+  g.E = p.w.E;
+  g.workspace = workspace;
+  g.workspace_bytes = ws_bytes;
+  return run_grouped(call, g, dev, stream);
+}
+
+}  // namespace prefill
+}  // namespace hj
+
+// Number of prefill GEMM launches so far in this process (for tests, through ctypes).
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillLaunches() {
+  return hj::prefill::g_launches.load(std::memory_order_relaxed);
+}

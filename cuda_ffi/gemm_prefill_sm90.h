@@ -1,0 +1,97 @@
+// The prefill path of the grouped (contiguous) expert GEMM on Hopper: a persistent,
+// warp-specialized TMA + wgmma grouped GEMM built from CUTLASS 3.x collectives, one kernel per
+// (element type, scaling) pair, each in its own translation unit (gemm_prefill_sm90_*.cu).
+//
+// Everything the kernels need per expert (row count, operand addresses, strides) is derived on
+// the device from expert_first_token_offset by a small kernel launched before the GEMM, into the
+// call's workspace result, so nothing travels to the host and the call stays capturable into a
+// CUDA graph. Compiled only with HUMMING_JAX_FAST_PATHS (CMake option, default OFF).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "ffi_common.h"
+
+namespace hj {
+namespace prefill {
+
+// Which kernel runs a grouped problem.
+enum class Kind : int {
+  kNone = 0,
+  kBf16 = 1,          // bf16 activations x bf16 weights -> bf16
+  kF16 = 2,           // fp16 x fp16 -> fp16
+  kFp8Block128 = 3,   // fp8 e4m3 codes, 1x128 activation and 128x128 weight f32 scales -> bf16
+};
+
+const char* kind_name(Kind k);
+
+// The persistent grid never exceeds this many CTAs, so the per-SM part of the workspace (TMA
+// descriptors) has a bound that does not depend on the device. Kept in step with
+// humming_jax/ops/gemm.py (grouped_workspace_bytes).
+constexpr int kMaxSms = 256;
+// Workspace bound requested by the Python wrapper: kWorkspaceBase + kWorkspacePerExpert * E.
+constexpr size_t kWorkspaceBase = size_t(256) << 10;
+constexpr size_t kWorkspacePerExpert = 256;
+// Above this many experts the setup kernel's shared-memory scan would not fit; such problems take
+// the generic kernel.
+constexpr int64_t kMaxExperts = 8192;
+// Rows per expert (R / E, known on the host from shapes alone) from which the prefill kernel is
+// chosen over the generic one: below it most of a 128-row tile would be padding. To be tuned on
+// the H200 (benchmarks/NOTES.md).
+constexpr int64_t kMinRowsPerExpert = 64;
+
+// The device the call runs on, as the dispatch needs it (cached per device).
+struct DeviceInfo {
+  int device = -1;
+  int sm_count = 0;  // capped at kMaxSms
+  bool sm90 = false;  // compute capability 9.0 (sm_90a code present in this library)
+};
+bool current_device(DeviceInfo* info);
+
+// One grouped problem: rows [off[e], off[e+1]) of a (clamped monotone into [0, R], expert 0 from
+// row 0, as on the CPU) use expert e; rows from the last offset to R become zeros.
+struct GroupedArgs {
+  Kind kind = Kind::kNone;
+  const void* a = nullptr;         // [R, K] 16-bit values or fp8 codes
+  const float* a_scale = nullptr;  // fp8: [R, K / 128]
+  const void* w = nullptr;         // [E, N, K]
+  const float* w_scale = nullptr;  // fp8: [E, N / 128, K / 128]
+  const float* bias = nullptr;     // [E, N] or nullptr
+  const int32_t* offsets = nullptr;  // [E + 1]
+  void* c = nullptr;               // [R, N], a's 16-bit type (bf16 for fp8)
+  int64_t R = 0, N = 0, K = 0, E = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// The kernel for this problem, or kNone (then the generic kernel runs). Host-side, from shapes,
+// dtypes and alignment only.
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev);
+
+// Workspace bytes a kind needs for E experts on a device with sm_count SMs, including the slack
+// for aligning the base (<= the bound kWorkspaceBase + kWorkspacePerExpert * E).
+size_t workspace_bytes(Kind kind, int64_t E, int sm_count);
+
+// Launches the setup kernel and the GEMM on `stream`. Errors name the call; a workspace smaller
+// than workspace_bytes(kind, E, SMs) is an InvalidArgument that names the size needed.
+Error run_grouped(const std::string& call, const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+
+// The hook of the grouped GEMM handler: runs the prefill kernel when the problem suits it
+// (*handled = true, the result is the call's), else leaves the call to the generic kernel.
+Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
+                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled);
+
+// Per-kind entry points, one translation unit each. They return an empty string on success.
+size_t workspace_bytes_bf16(int64_t E, int sm_count);
+size_t workspace_bytes_f16(int64_t E, int sm_count);
+size_t workspace_bytes_fp8_block128(int64_t E, int sm_count);
+std::string run_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_f16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_fp8_block128(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+
+}  // namespace prefill
+}  // namespace hj

@@ -1,0 +1,411 @@
+// The prefill grouped GEMM, one template for every kind (gemm_prefill_sm90.h): CUTLASS's
+// persistent, warp-specialized (one TMA producer warpgroup, two cooperative wgmma consumer
+// warpgroups) ptr-array mainloop over a device-side group scheduler, with our own setup kernel,
+// workspace layout, epilogue (acc + per-expert bias) and launch. Included once per translation
+// unit (gemm_prefill_sm90_<kind>.cu), each instantiating one configuration, so a change to one
+// kind recompiles one file and the files build in parallel.
+//
+// Layouts (TN, both operands K-major, as wgmma wants them and as our tensors already are):
+//   A = a [R, K] row-major; expert e's rows start at a + lo_e * K.
+//   B = w [E, N, K]: expert e is an N x K, K-contiguous matrix ("column-major B").
+//   D = c [R, N] row-major. There is no C operand (beta = 0), so no source is read.
+//   fp8 block scales: a_scale [R, K/128] and w_scale [E, N/128, K/128], both K-major, which is
+//   the K-major layout of CUTLASS's blockwise scale config: they are used in place, no copy.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "gemm_prefill_sm90.h"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "the prefill grouped GEMM needs CUDA >= 12.3 (device-side TMA descriptor updates)"
+#endif
+
+namespace hj {
+namespace prefill {
+namespace detail {
+
+using namespace cute;
+
+// One configuration: element types, whether fp8 block scales apply, tile and cluster shapes.
+template <class ElementAB_, class ElementD_, bool kBlockScaled_, class TileShape_, class ClusterShape_>
+struct Config {
+  using ElementAB = ElementAB_;
+  using ElementD = ElementD_;
+  static constexpr bool kBlockScaled = kBlockScaled_;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+};
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M_e, N, K) per expert
+using LayoutA = cutlass::layout::RowMajor;
+using LayoutB = cutlass::layout::ColumnMajor;
+using LayoutD = cutlass::layout::RowMajor;
+
+// Block scales: one per activation row and 128 columns of K, one per 128 x 128 weight block; both
+// K-major (consecutive K-blocks adjacent), the layout our quantize call and weight format use.
+using BlockScaleConfig =
+    cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+using LayoutSFA = decltype(BlockScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(BlockScaleConfig::deduce_layoutSFB());
+
+template <class Cfg>
+struct Epilogue {
+  static constexpr int kAlignD = 16 / sizeof(typename Cfg::ElementD);
+  // D = round_to_nearest(acc + bias[e][n]) in float32, the contract's order (acc + bias, then one
+  // rounding). The bias is a row vector per expert, found through a per-expert pointer array
+  // indexed by the group; a null array means no bias (the broadcast then reads nothing).
+  using Bias = cutlass::epilogue::fusion::Sm90RowBroadcast<0, typename Cfg::TileShape, float*, float,
+                                                           Stride<_0, _1, _0>, 4, true>;
+  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, typename Cfg::ElementD, float,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
+  using Collective = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Cfg::TileShape, typename Cfg::ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlignD,                            // no C operand
+      typename Cfg::ElementD, LayoutD*, kAlignD,
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+};
+
+template <class Cfg, bool kBlockScaled = Cfg::kBlockScaled>
+struct Mainloop;
+
+template <class Cfg>
+struct Mainloop<Cfg, false> {
+  static constexpr int kAlign = 16 / sizeof(typename Cfg::ElementAB);
+  using Collective = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      typename Cfg::ElementAB, LayoutA*, kAlign,
+      typename Cfg::ElementAB, LayoutB*, kAlign,
+      float, typename Cfg::TileShape, typename Cfg::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue<Cfg>::Collective::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+};
+
+template <class Cfg>
+struct Mainloop<Cfg, true> {
+  static constexpr int kAlign = 16 / sizeof(typename Cfg::ElementAB);
+  using Collective = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      typename Cfg::ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlign,
+      typename Cfg::ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlign,
+      float, typename Cfg::TileShape, typename Cfg::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue<Cfg>::Collective::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+};
+
+template <class Cfg>
+struct Grouped {
+  using ElementAB = typename Cfg::ElementAB;
+  using ElementD = typename Cfg::ElementD;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, typename Mainloop<Cfg>::Collective,
+                                                      typename Epilogue<Cfg>::Collective>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Arguments = typename Kernel::Arguments;
+  using Params = typename Kernel::Params;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // The setup kernel writes these strides element by element; pin the types it assumes.
+  static_assert(std::is_same_v<StrideA, Stride<int64_t, _1, _0>>, "A must be K-major (row-major)");
+  static_assert(std::is_same_v<StrideB, Stride<int64_t, _1, _0>>, "B must be K-major");
+  static_assert(std::is_same_v<StrideD, Stride<int64_t, _1, _0>>, "D must be row-major");
+
+  static constexpr size_t kAlignBytes = 128;
+  static size_t round_up(size_t x) { return (x + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+  // Per-expert arrays the kernel reads, carved from the workspace after CUTLASS's own part
+  // (per-SM TMA descriptors), each 128-byte aligned.
+  struct Arrays {
+    Shape3* shapes;
+    const ElementAB** ptr_a;
+    const ElementAB** ptr_b;
+    ElementD** ptr_d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    const float** ptr_sfa;   // fp8 only
+    const float** ptr_sfb;   // fp8 only
+    const float** ptr_bias;  // bias only
+  };
+
+  // Arguments with everything but the workspace-derived pointers; enough for size queries.
+  static Arguments arguments(int64_t E, int sm_count, int max_active_clusters, const Arrays& arr,
+                             bool has_bias) {
+    Arguments args{};
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = ProblemShape{static_cast<int>(E), arr.shapes, nullptr};  // shapes live on the device only
+    if constexpr (Cfg::kBlockScaled) {
+      // The scale layouts are derived in the kernel from each group's (M, N, K); the layout
+      // arrays are not read, so none are passed.
+      args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, nullptr, arr.ptr_sfb, nullptr};
+    } else {
+      args.mainloop = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+    }
+    args.epilogue.ptr_C = nullptr;
+    args.epilogue.dC = nullptr;
+    args.epilogue.ptr_D = arr.ptr_d;
+    args.epilogue.dD = arr.stride_d;
+    // Tree arguments in child order: acc fetch, bias broadcast, then the add.
+    args.epilogue.thread = {{}, {has_bias ? arr.ptr_bias : nullptr, 0.0f, {}}, {}};
+    args.hw_info.device_id = 0;
+    args.hw_info.sm_count = sm_count;
+    args.hw_info.max_active_clusters = max_active_clusters;
+    return args;
+  }
+
+  static size_t cutlass_workspace(int64_t E, int sm_count) {
+    Arrays none{};
+    return round_up(Kernel::get_workspace_size(arguments(E, sm_count, 0, none, false)));
+  }
+
+  static size_t arrays_bytes(int64_t E) {
+    const size_t e = static_cast<size_t>(E);
+    size_t n = round_up(e * sizeof(Shape3)) + 2 * round_up(e * sizeof(void*)) + round_up(e * sizeof(void*)) +
+               round_up(e * sizeof(StrideA)) + round_up(e * sizeof(StrideB)) + round_up(e * sizeof(StrideD)) +
+               round_up(e * sizeof(void*));
+    if (Cfg::kBlockScaled) n += 2 * round_up(e * sizeof(void*));
+    return n;
+  }
+
+  static size_t workspace_bytes(int64_t E, int sm_count) { return cutlass_workspace(E, sm_count) + arrays_bytes(E); }
+
+  static Arrays carve(void* workspace, int64_t E, int sm_count) {
+    char* p = static_cast<char*>(workspace) + cutlass_workspace(E, sm_count);
+    const size_t e = static_cast<size_t>(E);
+    Arrays a{};
+    auto take = [&](size_t bytes) {
+      char* q = p;
+      p += round_up(bytes);
+      return q;
+    };
+    a.shapes = reinterpret_cast<Shape3*>(take(e * sizeof(Shape3)));
+    a.ptr_a = reinterpret_cast<const ElementAB**>(take(e * sizeof(void*)));
+    a.ptr_b = reinterpret_cast<const ElementAB**>(take(e * sizeof(void*)));
+    a.ptr_d = reinterpret_cast<ElementD**>(take(e * sizeof(void*)));
+    a.stride_a = reinterpret_cast<StrideA*>(take(e * sizeof(StrideA)));
+    a.stride_b = reinterpret_cast<StrideB*>(take(e * sizeof(StrideB)));
+    a.stride_d = reinterpret_cast<StrideD*>(take(e * sizeof(StrideD)));
+    a.ptr_bias = reinterpret_cast<const float**>(take(e * sizeof(void*)));
+    if (Cfg::kBlockScaled) {
+      a.ptr_sfa = reinterpret_cast<const float**>(take(e * sizeof(void*)));
+      a.ptr_sfb = reinterpret_cast<const float**>(take(e * sizeof(void*)));
+    }
+    return a;
+  }
+};
+
+// What the setup kernel reads and writes.
+template <class G>
+struct SetupParams {
+  typename G::Arrays arr;
+  const int32_t* offsets;
+  const typename G::ElementAB* a;
+  const typename G::ElementAB* w;
+  const float* a_scale;
+  const float* w_scale;
+  const float* bias;
+  typename G::ElementD* c;
+  int32_t R, E;
+  int64_t N, K;
+};
+
+constexpr int kSetupThreads = 256;
+
+// Per-expert problem shapes, operand pointers and strides from expert_first_token_offset, then the
+// rows past the last expert zeroed. Block 0 does the per-expert part (a warp scan over offsets held
+// in shared memory); every block takes a share of the zero tail. Row ranges follow the CPU handler:
+// hi_e = min(R, max(0, off[1..e+1])), lo_e = hi_{e-1}, lo_0 = 0.
+template <class G>
+__global__ void __launch_bounds__(kSetupThreads) setup_groups(SetupParams<G> s) {
+  extern __shared__ int32_t s_hi[];  // [E], block 0 only
+  __shared__ int32_t s_last;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  if (blockIdx.x == 0) {
+    for (int e = tid; e < s.E; e += kSetupThreads) s_hi[e] = s.offsets[e + 1];
+    __syncthreads();
+    if (tid < 32) {
+      int done = 0;
+      for (int e0 = 0; e0 < s.E; e0 += 32) {
+        const int e = e0 + lane;
+        int v = e < s.E ? s_hi[e] : INT_MIN;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, v, o);
+          if (lane >= o) v = max(v, y);
+        }
+        const int hi = min(s.R, max(v, done));
+        if (e < s.E) s_hi[e] = hi;
+        done = __shfl_sync(0xffffffffu, hi, 31);
+      }
+      if (lane == 0) s_last = done;
+    }
+    __syncthreads();
+    const int64_t sfk = s.K / 128;
+    for (int e = tid; e < s.E; e += kSetupThreads) {
+      const int lo = e > 0 ? s_hi[e - 1] : 0;
+      const int hi = s_hi[e];
+      s.arr.shapes[e] = typename G::Shape3(hi - lo, static_cast<int>(s.N), static_cast<int>(s.K));
+      s.arr.ptr_a[e] = s.a + static_cast<int64_t>(lo) * s.K;
+      s.arr.ptr_b[e] = s.w + static_cast<int64_t>(e) * s.N * s.K;
+      s.arr.ptr_d[e] = s.c + static_cast<int64_t>(lo) * s.N;
+      s.arr.stride_a[e] = typename G::StrideA(s.K, _1{}, _0{});
+      s.arr.stride_b[e] = typename G::StrideB(s.K, _1{}, _0{});
+      s.arr.stride_d[e] = typename G::StrideD(s.N, _1{}, _0{});
+      if (s.bias) s.arr.ptr_bias[e] = s.bias + static_cast<int64_t>(e) * s.N;
+      if (s.arr.ptr_sfa) {
+        s.arr.ptr_sfa[e] = s.a_scale + static_cast<int64_t>(lo) * sfk;
+        s.arr.ptr_sfb[e] = s.w_scale + static_cast<int64_t>(e) * (s.N / 128) * sfk;
+      }
+    }
+  } else {
+    int m = 0;
+    for (int e = tid; e < s.E; e += kSetupThreads) m = max(m, s.offsets[e + 1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (tid == 0) s_last = 0;
+    __syncthreads();
+    if (lane == 0) atomicMax(&s_last, m);
+    __syncthreads();
+    if (tid == 0) s_last = min(s.R, s_last);
+  }
+  __syncthreads();
+  // Rows [last, R) belong to no local expert: zeros, 16 bytes per store (N % 8 == 0 here).
+  const int64_t per_row = s.N * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16;
+  const int64_t first = static_cast<int64_t>(s_last) * per_row;
+  const int64_t count = (static_cast<int64_t>(s.R) - s_last) * per_row;
+  uint4* out = reinterpret_cast<uint4*>(s.c) + first;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kSetupThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kSetupThreads + tid; i < count; i += stride)
+    out[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Per-device facts of one kernel, set up once: the shared-memory limit raised to what the kernel
+// needs (required above 48 KB) and the number of clusters that fit at once (the persistent grid).
+template <class G>
+std::string device_setup(int device, int* max_active_clusters) {
+  static std::mutex mu;
+  static bool done[64] = {};
+  static int clusters[64] = {};
+  if (device < 0 || device >= 64) return "device index out of range";
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done[device]) {
+    const void* fn = reinterpret_cast<const void*>(cutlass::device_kernel<typename G::Kernel>);
+    const int smem = G::Kernel::SharedStorageSize;
+    cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+    }
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr{};
+    const unsigned cx = cute::size<0>(typename G::Kernel::ClusterShape{});
+    const unsigned cy = cute::size<1>(typename G::Kernel::ClusterShape{});
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cx;
+    attr.val.clusterDim.y = cy;
+    attr.val.clusterDim.z = 1;
+    cfg.gridDim = dim3(cx, cy, 1);
+    cfg.blockDim = dim3(G::Kernel::MaxThreadsPerBlock, 1, 1);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, fn, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      n = 0;  // CUTLASS then sizes the grid from the SM count
+    }
+    clusters[device] = n;
+    done[device] = true;
+  }
+  *max_active_clusters = clusters[device];
+  return {};
+}
+
+template <class G>
+std::string run(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
+  using ElementAB = typename G::ElementAB;
+  using ElementD = typename G::ElementD;
+  int clusters = 0;
+  std::string err = device_setup<G>(dev.device, &clusters);
+  if (!err.empty()) return err;
+  if (g.E > INT32_MAX || g.R > INT32_MAX) return "problem too large";
+
+  const typename G::Arrays arr = G::carve(g.workspace, g.E, dev.sm_count);
+  SetupParams<G> s{};
+  s.arr = arr;
+  s.offsets = g.offsets;
+  s.a = static_cast<const ElementAB*>(g.a);
+  s.w = static_cast<const ElementAB*>(g.w);
+  s.a_scale = g.a_scale;
+  s.w_scale = g.w_scale;
+  s.bias = g.bias;
+  s.c = static_cast<ElementD*>(g.c);
+  s.R = static_cast<int32_t>(g.R);
+  s.E = static_cast<int32_t>(g.E);
+  s.N = g.N;
+  s.K = g.K;
+  // Enough blocks that a large zero tail (expert parallelism: most rows elsewhere) is written at
+  // bandwidth; an empty tail costs each block one pass over the offsets.
+  const int64_t vectors = g.R * g.N * static_cast<int64_t>(sizeof(ElementD)) / 16;
+  int64_t blocks = (vectors + kSetupThreads * 8 - 1) / (kSetupThreads * 8);
+  blocks = blocks < 1 ? 1 : (blocks > 2 * dev.sm_count ? 2 * dev.sm_count : blocks);
+  setup_groups<G><<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(s);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return std::string("launching setup_groups: ") + cudaGetErrorString(e);
+
+  typename G::Arguments args = G::arguments(g.E, dev.sm_count, clusters, arr, g.bias != nullptr);
+  args.hw_info.device_id = dev.device;
+  if (!G::Kernel::can_implement(args)) return "CUTLASS cannot implement these arguments";
+  cutlass::Status st = G::Kernel::initialize_workspace(args, g.workspace, stream);
+  if (st != cutlass::Status::kSuccess)
+    return std::string("initialize_workspace: ") + cutlass::cutlassGetStatusString(st);
+  typename G::Params params = G::Kernel::to_underlying_arguments(args, g.workspace);
+  st = G::Gemm::run(params, stream);
+  if (st != cutlass::Status::kSuccess) {
+    e = cudaGetLastError();
+    return std::string("launching the grouped GEMM: ") + cutlass::cutlassGetStatusString(st) + " (" +
+           cudaGetErrorString(e) + ")";
+  }
+  return {};
+}
+
+}  // namespace detail
+}  // namespace prefill
+}  // namespace hj
+
+// Defines the two entry points of one kind (gemm_prefill_sm90.h).
+#define HJ_DEFINE_PREFILL_KIND(SUFFIX, CFG)                                                       \
+  namespace hj {                                                                                  \
+  namespace prefill {                                                                             \
+  size_t workspace_bytes_##SUFFIX(int64_t E, int sm_count) {                                      \
+    return detail::Grouped<CFG>::workspace_bytes(E, sm_count);                                    \
+  }                                                                                               \
+  std::string run_##SUFFIX(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream) { \
+    return detail::run<detail::Grouped<CFG>>(args, dev, stream);                                  \
+  }                                                                                               \
+  }                                                                                               \
+  }

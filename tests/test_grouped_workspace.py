@@ -1,0 +1,96 @@
+"""The grouped GEMM's workspace result (SPEC §7, workspace as a result): requested by the wrapper
+with the documented bound, hidden from callers, validated by the handlers. Runs on the CPU
+(the CUDA prefill kernel that uses the workspace is checked in test_cuda_fast_paths.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from humming_jax import _ffi
+from humming_jax._abi import WeightType
+from humming_jax.ops import gemm as gemm_ops
+from humming_jax.ops import routing as routing_ops
+from humming_jax.weights import PackedWeight
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _problem(rng, e=4, n=16, k=32, m=10, topk=2):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.choice(e, topk, replace=False) for _ in range(m)]).astype(np.int32))
+    emap = jnp.arange(e, dtype=jnp.int32)
+    w = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
+    r = routing_ops.routing_grouped(ids, emap, e)
+    a = routing_ops.permute_rows(x, r, topk)
+    return a, w, r.expert_first_token_offset
+
+
+def test_bound_grows_with_experts():
+    assert gemm_ops.grouped_workspace_bytes(0) == gemm_ops.GROUPED_WORKSPACE_BASE
+    assert gemm_ops.grouped_workspace_bytes(128) == 256 * 1024 + 256 * 128
+
+
+def test_bound_matches_the_cuda_header():
+    """The CUDA handler checks its need against the same bound the wrapper requests."""
+    text = (ROOT / "cuda_ffi" / "gemm_prefill_sm90.h").read_text()
+    base = re.search(r"kWorkspaceBase = size_t\((\d+)\) << (\d+);", text)
+    per = re.search(r"kWorkspacePerExpert = (\d+);", text)
+    assert base and per, "bound constants not found in gemm_prefill_sm90.h"
+    assert int(base.group(1)) << int(base.group(2)) == gemm_ops.GROUPED_WORKSPACE_BASE
+    assert int(per.group(1)) == gemm_ops.GROUPED_WORKSPACE_PER_EXPERT
+
+
+def test_wrapper_returns_c_only_and_the_call_has_the_workspace(rng):
+    a, w, off = _problem(rng)
+    f = jax.jit(lambda a, w, off: gemm_ops.gemm_grouped(a, None, w, None, off, out_dtype=jnp.bfloat16))
+    c = f(a, w, off)
+    assert c.shape == (a.shape[0], w.n) and c.dtype == jnp.bfloat16
+    want = np.einsum("rk,rnk->rn", np.asarray(a, np.float32), np.asarray(w.data, np.float32)[_experts(off, a.shape[0])])
+    np.testing.assert_allclose(np.asarray(c, np.float32), want, rtol=2e-2, atol=2e-2)
+    hlo = f.lower(a, w, off).as_text()
+    call = next(line for line in hlo.splitlines() if "humming_jax.gemm_grouped" in line)
+    size = gemm_ops.grouped_workspace_bytes(w.num_experts)
+    assert f"(tensor<{a.shape[0]}x{w.n}xbf16>, tensor<{size}xui8>)" in call, call
+
+
+def _experts(off, rows):
+    off = np.asarray(off)
+    return np.searchsorted(off[1:], np.arange(rows), side="right")
+
+
+def _raw_call(a, w, off, workspace):
+    ops, attrs = gemm_ops._operands(a, None, w, None, 0)
+    return _ffi.call(
+        "gemm_grouped",
+        (jax.ShapeDtypeStruct((a.shape[0], w.n), jnp.bfloat16), workspace),
+        *ops,
+        off,
+        **attrs,
+    )
+
+
+@pytest.mark.parametrize(
+    "workspace,match",
+    [
+        (jax.ShapeDtypeStruct((64,), jnp.float32), "workspace must be uint8"),
+        (jax.ShapeDtypeStruct((8, 8), jnp.uint8), "workspace must have rank 1"),
+    ],
+)
+def test_handler_rejects_a_malformed_workspace(rng, workspace, match):
+    a, w, off = _problem(rng)
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(jax.jit(lambda a, w, off: _raw_call(a, w, off, workspace))(a, w, off))
+
+
+def test_cpu_takes_any_uint8_workspace_size(rng):
+    """The CPU handler needs no scratch (even an empty workspace is fine); results are the same."""
+    a, w, off = _problem(rng)
+    small = jax.jit(lambda a, w, off: _raw_call(a, w, off, jax.ShapeDtypeStruct((0,), jnp.uint8))[0])(a, w, off)
+    full = jax.jit(lambda a, w, off: gemm_ops.gemm_grouped(a, None, w, None, off, out_dtype=jnp.bfloat16))(a, w, off)
+    np.testing.assert_array_equal(np.asarray(small, np.float32), np.asarray(full, np.float32))

@@ -7,6 +7,7 @@
 #include "ffi_common.h"
 #include "gemm_kernels_sm80.cuh"
 #if defined(HUMMING_JAX_FAST_PATHS)
+#include "gemm_decode_sm90.h"
 #include "gemm_prefill_sm90.h"
 #endif
 
@@ -70,6 +71,12 @@ Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
 Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream) {
   const int64_t n_tiles = (L.p.N + gemm::kBN - 1) / gemm::kBN;
   if (m_tiles == 0 || n_tiles == 0) return Error::Success();
+#if defined(HUMMING_JAX_FAST_PATHS)
+  // Decode: the weight-streaming kernel (gemm_decode_sm90.h) when the rows per expert are few.
+  bool decode_ran = false;
+  const Error decode_err = decode::launch_decode(call, L, stream, &decode_ran);
+  if (decode_ran || !decode_err.success()) return decode_err;
+#endif
   if (m_tiles > INT32_MAX) return invalid(call, "too many row tiles");
   const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
   switch (bm) {

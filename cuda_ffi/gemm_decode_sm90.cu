@@ -1,0 +1,249 @@
+// Host side of the decode GEMM: decides, from shapes and attributes only (never device data),
+// whether a GEMM call is a decode problem the weight-streaming kernel supports, sizes its grid and
+// launches it. The kernels are in gemm_decode_sm90.cuh, instantiated per weight family in
+// gemm_decode_sm90_<family>.cu.
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "gemm_decode_sm90.cuh"
+
+namespace hj {
+namespace decode {
+namespace {
+
+std::atomic<uint64_t> g_launches{0};
+
+bool env_flag(const char* name, bool unset) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return unset;
+  return !(v[0] == '0' && v[1] == '\0');
+}
+
+// Compute capability and SM count of the current device (host queries, allowed under capture).
+bool device_info(int* major, int* minor, int* sms) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return false;
+  return true;
+}
+
+// Expected number of distinct experts hit by `draws` uniform picks among E.
+int64_t expected_distinct(int64_t E, int64_t draws) {
+  if (E <= 0 || draws <= 0) return 0;
+  const double d = static_cast<double>(E) * (1.0 - std::pow(1.0 - 1.0 / static_cast<double>(E), static_cast<double>(draws)));
+  return static_cast<int64_t>(std::ceil(d));
+}
+
+const char* mode_name(RowMode m) {
+  return m == RowMode::kIndexed ? "indexed" : (m == RowMode::kGrouped ? "grouped" : "batched");
+}
+
+bool decline(const GemmLaunch& L, const char* why) {
+  if (env_flag("HUMMING_JAX_DECODE_LOG", false))
+    std::fprintf(stderr, "humming_jax decode: %s N=%lld K=%lld -> generic kernel (%s)\n", mode_name(L.mode),
+                 static_cast<long long>(L.p.N), static_cast<long long>(L.p.K), why);
+  return false;
+}
+
+struct Plan {
+  DecodeLaunch D;
+  ActKind ak;
+  Deq dq;
+  dim3 grid;
+  size_t smem;
+};
+
+bool plan(const GemmLaunch& L, int sms, Plan* out) {
+  const GemmProblem& p = L.p;
+  const WeightView& w = p.w;
+  DecodeLaunch& D = out->D;
+  D = DecodeLaunch{};
+  D.g = L;
+  const int64_t K = p.K, N = p.N, E = L.E;
+  if (K <= 0 || N <= 0 || E <= 0) return decline(L, "empty problem");
+  if (K >= (int64_t{1} << 30) || N >= (int64_t{1} << 30)) return decline(L, "K or N too large");
+  D.K = static_cast<int>(K);
+  D.N = static_cast<int>(N);
+
+  // Activation kind and the weight family's chunk geometry.
+  ActKind ak;
+  switch (p.a.type) {
+    case ElemType::kBF16: ak = ActKind::kBF16; break;
+    case ElemType::kF16: ak = ActKind::kF16; break;
+    case ElemType::kE4M3: ak = ActKind::kFp8; break;
+    case ElemType::kI8: ak = ActKind::kI8; break;
+    default: return decline(L, "activation type");
+  }
+  const bool q8 = ak == ActKind::kFp8 || ak == ActKind::kI8;
+  const bool four = w.type == WeightType::kUInt4 || w.type == WeightType::kFp4E2M1;
+  const int epc = w.type == WeightType::kFloat ? 8 : (four ? 32 : 16);  // k per lane chunk
+  const int kw = 4 * epc;                                               // k per chunk column
+  const int asz = q8 ? 1 : 2;
+  const int64_t row_bytes = w.type == WeightType::kFloat ? 2 * K : (four ? K / 2 : K);
+
+  // Rows: the work items and how many of them are expected to do work.
+  int64_t est = 0, grid_items = 0;
+  switch (L.mode) {
+    case RowMode::kIndexed: {
+      if (L.block_m > kMaxRows) return decline(L, "block_m > 16 (prefill-sized blocks)");
+      if (L.a_rows >= INT32_MAX || L.c_rows >= INT32_MAX) return decline(L, "too many rows");
+      const int64_t blocks = L.padded_rows / L.block_m;
+      // Used blocks are a prefix; an expert with n rows uses ceil(n / block_m) of them.
+      const int64_t bound = std::min(blocks, L.c_rows / L.block_m + std::min(E, L.c_rows));
+      if (blocks == 0 || bound == 0) return decline(L, "no blocks");
+      if (blocks > INT32_MAX) return decline(L, "too many blocks");
+      D.items = static_cast<int>(blocks);
+      grid_items = bound;
+      D.max_rows = static_cast<int>(L.block_m);
+      est = std::max<int64_t>(1, std::min(bound, expected_distinct(E, L.c_rows)));
+      break;
+    }
+    case RowMode::kGrouped: {
+      const int64_t R = L.R;
+      if (R <= 0) return decline(L, "no rows");
+      if (R > kMaxRows * E) return decline(L, "more than 16 rows per expert on average");
+      const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
+      const int64_t gemm_items = tiles + std::min(E, R);
+      if (gemm_items + tiles > INT32_MAX) return decline(L, "too many rows");
+      D.gemm_items = static_cast<int>(gemm_items);
+      D.items = static_cast<int>(gemm_items + tiles);
+      grid_items = D.items;
+      D.max_rows = kMaxRows;
+      est = std::max<int64_t>(1, expected_distinct(E, R));
+      break;
+    }
+    default: {
+      if (L.T <= 0 || L.T > kMaxRows) return decline(L, "T > 16 rows per expert");
+      if (E * L.T >= INT32_MAX) return decline(L, "too many rows");
+      D.items = static_cast<int>(E);
+      grid_items = E;
+      D.max_rows = static_cast<int>(L.T);
+      est = E;
+      break;
+    }
+  }
+
+  // 16-byte copies: aligned bases and rows.
+  if (!aligned_to(w.data, 16) || row_bytes % 16) return decline(L, "weight rows not 16-byte aligned");
+  if (!aligned_to(p.a.data, 16) || (K * asz) % 16) return decline(L, "activation rows not 16-byte aligned");
+  D.w_row_bytes = static_cast<int>(row_bytes);
+
+  // Dequantization mode and the scale groups it can follow.
+  const int64_t gk = w.group_k;
+  auto covers = [&](int64_t group, int64_t span) { return group >= K || group % span == 0; };
+  Deq dq;
+  D.nslot = 1;
+  if (w.type == WeightType::kFloat) {
+    dq = Deq::kRaw;
+  } else if (q8) {
+    // One (a_scale, w_scale) pair per chunk column of K.
+    if (!covers(gk, kw) || !covers(p.a.group_k, kw))
+      return decline(L, "8-bit activations need weight and activation scale groups that are multiples of the "
+                        "chunk column (64 k for 8-bit weights, 128 k for 4-bit) or span K");
+    dq = Deq::kCodes;
+  } else {
+    const bool act_scale = w.scale_type == p.a.type;  // a 16-bit scale of the activation type
+    if (w.type == WeightType::kUInt4 && act_scale && !w.scale2 && covers(gk, epc))
+      dq = Deq::kPackedU4;
+    else if (w.type == WeightType::kFp4E2M1 && w.scale_type == ElemType::kE8M0 && ak == ActKind::kBF16 &&
+             !w.scale2 && covers(gk, epc))
+      dq = Deq::kPackedFp4;
+    else if (covers(gk, epc))
+      dq = Deq::kF32;
+    else if (covers(gk, epc / 2)) {
+      dq = Deq::kF32;
+      D.nslot = 2;
+    } else {
+      return decline(L, "weight scale groups narrower than half a lane chunk");
+    }
+  }
+  D.div_gk = make_fastdiv(static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(gk, 1), int64_t{1} << 30)));
+  D.div_agk = make_fastdiv(
+      static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(p.a.group_k, 1), int64_t{1} << 30)));
+
+  // Warps along K: the fewest that still give every SM two CTAs of expected work (more rows per
+  // CTA share each activation load), and no more than the chunk columns of K.
+  D.nc = static_cast<int>((K + kw - 1) / kw);
+  int wk = kWarps;
+  for (int c = 1; c <= kWarps; c *= 2) {
+    const int64_t bn = kWarps / c * kRowsPerWarp;
+    if (est * ((N + bn - 1) / bn) >= 2 * static_cast<int64_t>(sms)) {
+      wk = c;
+      break;
+    }
+  }
+  while (wk > 1 && wk > D.nc) wk /= 2;
+  D.wk = wk;
+  D.wn = kWarps / wk;
+  D.bn = D.wn * kRowsPerWarp;
+  D.iters = (D.nc + wk - 1) / wk;
+
+  // Activation stage: rows padded so that the lanes of a quarter warp read distinct banks.
+  const int lane_bytes = epc * asz;  // activation bytes a lane reads per token and chunk column
+  const int base = wk * kw * asz;
+  const int want = lane_bytes == 16 ? 64 : 16;
+  D.act_row_bytes = base + ((want - base % 128) + 128) % 128;
+  D.act_stage_bytes = D.max_rows * D.act_row_bytes;
+
+  const int64_t n_slices = (N + D.bn - 1) / D.bn;
+  if (n_slices > INT32_MAX) return decline(L, "N too large");
+  out->ak = ak;
+  out->dq = dq;
+  out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
+  out->smem = decode_smem_bytes(D);
+  if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
+  return true;
+}
+
+const char* deq_name(Deq d) {
+  switch (d) {
+    case Deq::kRaw: return "raw";
+    case Deq::kPackedU4: return "packed-u4";
+    case Deq::kPackedFp4: return "packed-fp4";
+    case Deq::kF32: return "f32";
+    default: return "codes";
+  }
+}
+
+}  // namespace
+
+Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  if (!env_flag("HUMMING_JAX_DECODE", true)) return Error::Success();
+  int major = 0, minor = 0, sms = 0;
+  if (!device_info(&major, &minor, &sms) || major != 9 || minor != 0) {
+    decline(L, "not a compute capability 9.0 device");
+    return Error::Success();
+  }
+  Plan pl;
+  if (!plan(L, sms, &pl)) return Error::Success();
+  const DecodeLaunch& D = pl.D;
+  switch (L.p.w.type) {
+    case WeightType::kFloat: launch_family<WeightType::kFloat>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
+    case WeightType::kUInt4: launch_family<WeightType::kUInt4>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
+    case WeightType::kInt8: launch_family<WeightType::kInt8>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
+    case WeightType::kFp8E4M3: launch_family<WeightType::kFp8E4M3>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
+    case WeightType::kFp4E2M1: launch_family<WeightType::kFp4E2M1>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
+  }
+  *launched = true;
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+  if (env_flag("HUMMING_JAX_DECODE_LOG", false))
+    std::fprintf(stderr,
+                 "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s, wk=%d bn=%d grid=%ux%u "
+                 "items=%d rows<=%d smem=%zu)\n",
+                 mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wk, D.bn, pl.grid.x,
+                 pl.grid.y, D.items, D.max_rows, pl.smem);
+  return launch_status(call, "decode_kernel");
+}
+
+}  // namespace decode
+}  // namespace hj
+
+// Decode kernel launches made by this process (host-side count; tests use it to prove the path ran).
+extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeLaunches() {
+  return hj::decode::g_launches.load(std::memory_order_relaxed);
+}

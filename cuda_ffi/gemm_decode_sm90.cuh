@@ -1,0 +1,908 @@
+// The decode-path expert GEMM: a weight-streaming kernel for few rows per expert (M * top_k small,
+// at most 16 rows per work item), all three row layouts (indexed gather, grouped contiguous,
+// batched masked) and every weight type of the contract. Host entry: launch_decode (gemm_decode_sm90.h).
+//
+// Why it is shaped this way (benchmarks/NOTES.md, "decode v2"): at decode sizes the GEMM is a pass
+// over the touched expert weights, so the kernel is built to keep HBM busy and the SM's issue slots
+// free:
+//  * Operands swapped: 16 weight rows are the A operand of mma.sync m16n8k16 and up to 8 (or 16)
+//    tokens the B operand, so a token count of 1 wastes nothing on the weight side.
+//  * The k order inside an MMA step is free as long as A and B agree. Each lane therefore copies
+//    one contiguous 16-byte chunk of a weight row (8 bf16, 16 8-bit codes or 32 nibbles) and reads
+//    the activations of the same k positions; no ldmatrix or shuffle is needed, and the 4-bit
+//    magic-number conversion may pair k with k + 4 (the activations are permuted to match).
+//  * Weights travel by cp.async (16-byte, L2 256-byte prefetch) into a 4-stage ring of 16 KB per
+//    stage per CTA; every lane reads back only the bytes it copied. Activations of the item's rows
+//    go through the same ring once per CTA and are shared by its warps.
+//  * Dequantization happens in registers after the shared-memory read, with packed 16-bit bit
+//    tricks where they are exact (int4 with 16-bit scales of the activation type; e2m1 with e8m0
+//    scales and bf16 activations) and otherwise in float32 with the contract's formula (the
+//    weight is the activation-type rounding of the float32 value, as in gemm_weight).
+//  * 8-bit activations: the MMA takes f16 codes (every fp8/int8/int4/e2m1 code is exact in f16)
+//    and each chunk column of K (one scale group of weights and activations) is scaled by
+//    a_scale * w_scale into the float32 accumulator, the generic kernel's method.
+//  * Enough CTAs for all SMs: a CTA owns 32 * (8 / wk) weight rows of one work item and splits K
+//    over wk warp groups (wk = 1..8, chosen on the host from the expected number of items); the
+//    wk partial sums are added in a fixed order through shared memory: deterministic, no atomics.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "cuda_launch.cuh"
+#include "ffi_common.h"
+#include "gemm_decode_sm90.h"
+#include "gemm_kernels_sm80.cuh"
+
+namespace hj {
+namespace decode {
+
+using gemm::GemmLaunch;
+using gemm::RowMode;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kNT = 2;                                  // 16-row weight tiles per warp
+constexpr int kStages = 4;                              // cp.async ring depth
+constexpr int kMaxRows = 16;                            // rows (tokens) of one work item
+constexpr int kLaneBytes = kNT * 2 * 16;                // weight bytes one lane copies per stage
+constexpr int kWarpStageBytes = kLaneBytes * 32;        // 2 KB
+constexpr int kWStageBytes = kWarpStageBytes * kWarps;  // 16 KB of weights per CTA stage
+constexpr int kRowsPerWarp = kNT * 16;                  // weight rows per warp
+constexpr int kChunkRowBytes = 64;                      // bytes of a row one warp reads per stage
+constexpr int kMaxDynamicSmem = 227 * 1024;             // the sm_90 opt-in limit per block
+
+enum class ActKind : int { kBF16 = 0, kF16 = 1, kFp8 = 2, kI8 = 3 };
+// kRaw: 16-bit weights. kPackedU4: int4 with a 16-bit scale of the activation type and no scale2.
+// kPackedFp4: e2m1 with e8m0 scales, bf16 activations, no scale2. kF32: any other weight with
+// 16-bit activations. kCodes: 8-bit activations.
+enum class Deq : int { kRaw = 0, kPackedU4 = 1, kPackedFp4 = 2, kF32 = 3, kCodes = 4 };
+
+// n / d for n < 2^31 by a multiply and a shift (the divisor is a run-time constant of the launch).
+struct FastDiv {
+  uint32_t mul, shift;
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, mul) + n) >> shift; }
+};
+
+inline FastDiv make_fastdiv(uint32_t d) {
+  uint32_t l = 0;
+  while ((uint64_t{1} << l) < d) ++l;
+  const uint64_t m = ((uint64_t{1} << 32) * ((uint64_t{1} << l) - d)) / d + 1;
+  return FastDiv{static_cast<uint32_t>(m), l};
+}
+
+// Everything a launch needs; filled on the host (launch_decode) from the generic kernel's
+// GemmLaunch, which already holds the parsed problem and the row layout.
+struct DecodeLaunch {
+  GemmLaunch g;
+  int wk, wn, bn;           // warps along K and along N; weight rows per CTA (= wn * 32)
+  int max_rows;             // activation rows per stage held in shared memory
+  int nc, iters;            // 64-byte chunk columns of a weight row; pipeline iterations
+  int act_row_bytes;        // shared-memory stride of one activation row in a stage
+  int act_stage_bytes;      // max_rows * act_row_bytes
+  int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E * T/16)
+  int gemm_items;           // grouped: items below this compute, the rest write zero rows
+  int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
+  int w_row_bytes;          // bytes of one weight row
+  int K, N;
+  FastDiv div_gk, div_agk;  // k -> weight / activation scale column
+};
+
+// Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
+inline size_t decode_smem_bytes(const DecodeLaunch& D) {
+  return static_cast<size_t>(kStages) * (kWStageBytes + D.act_stage_bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device primitives.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy of weights; `bytes` < 16 zero-fills the rest (0 = no read at all). The L2
+// prefetch hint pulls the rest of the row's 256-byte segment, which the next stages read.
+__device__ __forceinline__ void cp_async_weights(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void lds128(uint32_t (&r)[4], const void* p) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void lds64(uint32_t (&r)[2], const void* p) {
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+
+// (a & b) | c
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+template <int S>
+__device__ __forceinline__ uint32_t shift_left(uint32_t x) {
+  if constexpr (S >= 0)
+    return x << S;
+  else
+    return x >> (-S);
+}
+
+// Packed 16-bit arithmetic, round to nearest even, subnormals kept (no .ftz).
+template <bool kF16>
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (kF16)
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+template <bool kF16>
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (kF16)
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ float f16_lo(uint32_t x) { return __half2float(__ushort_as_half(static_cast<unsigned short>(x))); }
+__device__ __forceinline__ float f16_hi(uint32_t x) { return __half2float(__ushort_as_half(static_cast<unsigned short>(x >> 16))); }
+
+// ---------------------------------------------------------------------------------------------
+// Codes as exact f16 pairs (the 8-bit-activation MMA operands, and the first step of the float32
+// path). Pair p of a 4-bit word holds nibbles p and p + 4 (k and k + 4); pair p of an 8-bit word
+// holds bytes 2p and 2p + 1.
+// ---------------------------------------------------------------------------------------------
+// int4: (q - z) via 1024 + q (f16 0x6400 | q) minus 1024 + z; zm = (0x6400 + z) in both halves.
+template <int P>
+__device__ __forceinline__ uint32_t u4_code_pair(uint32_t q, uint32_t zm) {
+  return hsub2<true>(and_or(shift_left<-4 * P>(q), 0x000f000fu, 0x64006400u), zm);
+}
+
+// e2m1 sign and magnitude bits placed into a 16-bit float: magnitude at bits [MB, MB + 2], sign at
+// bit 15 of each half. As f16 (MB = 9) the value is e2m1 * 2^-14; as bf16 (MB = 6) e2m1 * 2^-126;
+// codes with a zero exponent land on subnormals, which the multiplies below keep exactly.
+template <int P, int MB>
+__device__ __forceinline__ uint32_t e2m1_bits(uint32_t q) {
+  constexpr uint32_t mag_mask = (0x7u << MB) | (0x7u << (MB + 16));
+  const uint32_t sign = shift_left<12 - 4 * P>(q) & 0x80008000u;
+  return and_or(shift_left<MB - 4 * P>(q), mag_mask, sign);
+}
+
+template <int P>
+__device__ __forceinline__ uint32_t fp4_code_pair(uint32_t q) {
+  return hmul2<true>(e2m1_bits<P, 9>(q), 0x74007400u);  // * 2^14
+}
+
+// int8 codes: (b ^ 0x80) into the mantissa of 1024, minus 1152.
+template <int P>
+__device__ __forceinline__ uint32_t i8_code_pair(uint32_t w) {
+  const uint32_t h = __byte_perm(w ^ 0x80808080u, 0x64646464u, P == 0 ? 0x4140 : 0x4342);
+  return hsub2<true>(h, 0x64806480u);
+}
+
+template <int P>
+__device__ __forceinline__ uint32_t fp8_code_pair(uint32_t w) {
+  const __half2_raw r =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(P == 0 ? (w & 0xffffu) : (w >> 16)), __NV_E4M3);
+  return static_cast<uint32_t>(r.x) | (static_cast<uint32_t>(r.y) << 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight scales.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t load_scale_raw(ElemType t, const void* base, uint32_t idx) {
+  switch (t) {
+    case ElemType::kF32: return __ldg(static_cast<const unsigned int*>(base) + idx);
+    case ElemType::kBF16:
+    case ElemType::kF16: return __ldg(static_cast<const unsigned short*>(base) + idx);
+    default: return __ldg(static_cast<const unsigned char*>(base) + idx);
+  }
+}
+
+__device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
+  switch (t) {
+    case ElemType::kF32: return __uint_as_float(raw);
+    case ElemType::kBF16: return __uint_as_float(raw << 16);
+    case ElemType::kF16: return f16_lo(raw);
+    case ElemType::kE8M0: return e8m0_to_float(static_cast<uint8_t>(raw));
+    case ElemType::kE4M3: return e4m3_to_float(static_cast<uint8_t>(raw));
+    default: return __uint_as_float(0x7fc00000u);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel.
+// ---------------------------------------------------------------------------------------------
+template <WeightType WT, ActKind AK, Deq DQ>
+struct Kern {
+  static constexpr bool kQ8 = AK == ActKind::kFp8 || AK == ActKind::kI8;
+  static constexpr bool kF16 = AK != ActKind::kBF16;  // MMA operand type: f16 (also for 8-bit codes)
+  static constexpr bool k4Bit = WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1;
+  static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
+  static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
+  static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
+  static constexpr int kNs = DQ == Deq::kF32 ? 2 : 1;                            // scale slots per chunk
+  static constexpr bool kScaled = WT != WeightType::kFloat;
+  static_assert(!(kQ8 && DQ != Deq::kCodes), "8-bit activations use codes");
+  static_assert(!(WT == WeightType::kFloat && DQ != Deq::kRaw), "16-bit weights are used as they are");
+
+  // A lane's scales for one iteration: weight scale(s) and zero point of each of its rows, and
+  // (8-bit activations) the activation scales of the two token columns it accumulates.
+  template <int TOKT>
+  struct Scales {
+    uint32_t w[kNT][2][kNs];
+    uint32_t z;  // zero points of the four rows, one byte each (row i * 2 + h)
+    float a[TOKT][2];
+  };
+
+  struct Item {
+    int expert, nvalid;
+    const uint8_t* wrow;    // the lane's first weight row (g of tile 0); the others follow at 8-row steps
+    unsigned row_ok;        // bit i * 2 + h: row g + 8h of tile i lies below N
+    uint32_t srow[kNT][2];  // scale-grid index of each row's first column
+  };
+
+  static __device__ __forceinline__ const uint8_t* row_ptr(const DecodeLaunch& D, const Item& it_, int i, int h) {
+    return it_.wrow + static_cast<int64_t>(i * 16 + 8 * h) * D.w_row_bytes;
+  }
+
+  // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
+  static __device__ __forceinline__ void issue(const DecodeLaunch& D, const Item& it_, int it, uint8_t* smem,
+                                               const int32_t* s_arow, int wk, int warp, int lane, int tid) {
+    const int slot = it % kStages;
+    const int c = it * D.wk + wk;
+    const int t = lane & 3;
+    if (c < D.nc) {
+      const int kbyte = c * kChunkRowBytes + t * 16;
+      const bool kok = c * kKw + t * kEpc < D.K;
+      uint8_t* dst = smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16;
+#pragma unroll
+      for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const bool ok = kok && ((it_.row_ok >> (i * 2 + h)) & 1u);
+          cp_async_weights(dst + (i * 2 + h) * 512,
+                           ok ? row_ptr(D, it_, i, h) + kbyte : static_cast<const uint8_t*>(D.g.p.w.data),
+                           ok ? 16 : 0);
+        }
+    }
+    // Activations of the item's rows for the stage's K range, shared by the CTA's warps.
+    const int ks_bytes = D.wk * kKw * kAsz;
+    const int upr_log2 = __ffs(ks_bytes / 16) - 1;  // 16-byte units per row (a power of two)
+    const int units = it_.nvalid << upr_log2;
+    uint8_t* abase = smem + kStages * kWStageBytes + slot * D.act_stage_bytes;
+    const uint8_t* a = static_cast<const uint8_t*>(D.g.p.a.data);
+    const int64_t k_first = static_cast<int64_t>(it) * D.wk * kKw;
+    for (int u = tid; u < units; u += kThreads) {
+      const int r = u >> upr_log2, cu = u & ((1 << upr_log2) - 1);
+      const int64_t k = k_first + cu * (16 / kAsz);
+      const bool ok = k < D.K;
+      const uint8_t* src = a + (static_cast<int64_t>(s_arow[r]) * D.K + k) * kAsz;
+      cp_async16(abase + r * D.act_row_bytes + cu * 16, ok ? src : a, ok ? 16 : 0);
+    }
+  }
+
+  // Loads the lane's scales of iteration `it` (plain loads, consumed two iterations later).
+  template <int TOKT>
+  static __device__ __forceinline__ void load_scales(const DecodeLaunch& D, const Item& it_, int it, int wk,
+                                                     int lane, const int32_t* s_arow, Scales<TOKT>& s) {
+    const int c = it * D.wk + wk;
+    const int t = lane & 3;
+    const WeightView& w = D.g.p.w;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int q = 0; q < kNs; ++q) s.w[i][h][q] = 0u;
+    s.z = 0x08080808u;
+#pragma unroll
+    for (int j = 0; j < TOKT; ++j) s.a[j][0] = s.a[j][1] = 0.0f;
+    if constexpr (kScaled) {
+      const int k0 = c * kKw + t * kEpc;
+      const bool kok = c < D.nc && k0 < D.K;
+      const uint32_t sk0 = kok ? D.div_gk.div(static_cast<uint32_t>(k0)) : 0u;
+      uint32_t sk1 = sk0;
+      if constexpr (kNs == 2) {
+        if (D.nslot == 2 && kok) sk1 = D.div_gk.div(static_cast<uint32_t>(k0 + kEpc / 2));
+      }
+#pragma unroll
+      for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const bool ok = kok && ((it_.row_ok >> (i * 2 + h)) & 1u);
+          const uint32_t base = it_.srow[i][h];
+          s.w[i][h][0] = ok ? load_scale_raw(w.scale_type, w.scale, base + sk0) : 0u;
+          if constexpr (kNs == 2)
+            s.w[i][h][1] = ok ? (sk1 == sk0 ? s.w[i][h][0] : load_scale_raw(w.scale_type, w.scale, base + sk1)) : 0u;
+          if constexpr (WT == WeightType::kUInt4) {
+            if (ok && w.zero) {
+              const int sh = 8 * (i * 2 + h);
+              s.z = (s.z & ~(0xffu << sh)) | (static_cast<uint32_t>(__ldg(w.zero + base + sk0)) << sh);
+            }
+          }
+        }
+    }
+    if constexpr (kQ8) {
+      const ActView& a = D.g.p.a;
+      const uint32_t ak = c < D.nc ? D.div_agk.div(static_cast<uint32_t>(c * kKw)) : 0u;
+      const int64_t cols = static_cast<int64_t>(D.g.a_scale_cols);
+#pragma unroll
+      for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = 8 * j + 2 * t + e;
+          s.a[j][e] = (c < D.nc && tok < it_.nvalid) ? __ldg(a.scale + s_arow[tok] * cols + ak) : 0.0f;
+        }
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Dequantization of one pair of a weight word into the MMA's A operand type.
+  // ------------------------------------------------------------------------------------------
+  // The exact f16 code pair (before any scale).
+  template <int P>
+  static __device__ __forceinline__ uint32_t code_pair(uint32_t word, uint32_t z) {
+    if constexpr (WT == WeightType::kUInt4)
+      return u4_code_pair<P>(word, (0x6400u + z) * 0x10001u);
+    else if constexpr (WT == WeightType::kFp4E2M1)
+      return fp4_code_pair<P>(word);
+    else if constexpr (WT == WeightType::kInt8)
+      return i8_code_pair<P>(word);
+    else
+      return fp8_code_pair<P>(word);
+  }
+
+  // w' of the contract for a pair: float32 (code * scale (* scale2)), rounded to the activation
+  // type; or the code itself for 8-bit activations.
+  template <int P>
+  static __device__ __forceinline__ uint32_t deq_pair(const DecodeLaunch& D, uint32_t word, uint32_t sraw, uint32_t z,
+                                                      float s2) {
+    if constexpr (DQ == Deq::kCodes) {
+      return code_pair<P>(word, z);
+    } else if constexpr (DQ == Deq::kPackedU4) {
+      // (128 + q) or (1024 + q) exactly, minus (128 + z) / (1024 + z): the integer q - z; times the
+      // 16-bit scale: one rounding of an exact product, as float32-then-round gives.
+      constexpr uint32_t magic = kF16 ? 0x64006400u : 0x43004300u;
+      const uint32_t m = and_or(shift_left<-4 * P>(word), 0x000f000fu, magic);
+      const uint32_t zm = ((kF16 ? 0x6400u : 0x4300u) + z) * 0x10001u;
+      return hmul2<kF16>(hsub2<kF16>(m, zm), sraw * 0x10001u);
+    } else if constexpr (DQ == Deq::kPackedFp4) {
+      // e2m1 * 2^-126 as bf16, times 2^(s - 1) = 2^126 * 2^(s - 127): exact whenever the result is
+      // representable (every e2m1 value has two significant bits). Scales above 2^1 take two
+      // multiplies so that no factor overflows; s = 255 is NaN, as e8m0_to_float says.
+      const uint32_t bits = e2m1_bits<P, 6>(word);
+      uint32_t f1, f2 = 0;
+      if (sraw <= 128u) {
+        f1 = (sraw + 126u) << 7;
+      } else if (sraw == 255u) {
+        f1 = 0x7fc0u;
+      } else {
+        f1 = 0x7f00u;              // 2^127
+        f2 = (sraw - 1u) << 7;     // 2^(s - 128)
+      }
+      uint32_t r = hmul2<false>(bits, f1 * 0x10001u);
+      if (f2) r = hmul2<false>(r, f2 * 0x10001u);
+      return r;
+    } else {  // kF32
+      const uint32_t cp = code_pair<P>(word, z);
+      const float sc = scale_to_float(D.g.p.w.scale_type, sraw);
+      float lo = f16_lo(cp) * sc, hi = f16_hi(cp) * sc;
+      if (D.g.p.w.scale2) {
+        lo = lo * s2;
+        hi = hi * s2;
+      }
+      return gemm::pack2<kF16>(lo, hi);
+    }
+  }
+
+  // Activation codes (8-bit) as f16 pairs.
+  template <int P>
+  static __device__ __forceinline__ uint32_t act_code_pair(uint32_t w) {
+    if constexpr (AK == ActKind::kI8)
+      return i8_code_pair<P>(w);
+    else
+      return fp8_code_pair<P>(w);
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // MMAs of one chunk column: the lane's weight words w[i][h][0..3] (tile i, row g + 8h) against
+  // the activations of token columns g (+ 8) at the same k positions.
+  // ------------------------------------------------------------------------------------------
+  template <int TOKT>
+  static __device__ __forceinline__ void chunk_mma(const DecodeLaunch& D, float (&acc)[kNT][TOKT][4],
+                                                   const uint32_t (&w)[kNT][2][4], const uint8_t* arow0,
+                                                   int g, int nvalid, const Scales<TOKT>& s, float s2) {
+    const int arb = D.act_row_bytes;
+    bool tok_ok[TOKT];
+#pragma unroll
+    for (int j = 0; j < TOKT; ++j) tok_ok[j] = g + 8 * j < nvalid;
+
+    if constexpr (WT == WeightType::kFloat) {
+      // 8 bf16/f16 per lane and row: two MMA steps of natural pairs.
+      uint32_t b[TOKT][4];
+#pragma unroll
+      for (int j = 0; j < TOKT; ++j) {
+        if (tok_ok[j])
+          lds128(b[j], arow0 + (g + 8 * j) * arb);
+        else
+          b[j][0] = b[j][1] = b[j][2] = b[j][3] = 0u;
+      }
+#pragma unroll
+      for (int st = 0; st < 2; ++st)
+#pragma unroll
+        for (int i = 0; i < kNT; ++i) {
+          const uint32_t a[4] = {w[i][0][2 * st], w[i][1][2 * st], w[i][0][2 * st + 1], w[i][1][2 * st + 1]};
+#pragma unroll
+          for (int j = 0; j < TOKT; ++j) gemm::mma_16816<kF16>(acc[i][j], a, b[j][2 * st], b[j][2 * st + 1]);
+        }
+    } else if constexpr (!k4Bit) {
+      // 16 8-bit codes per lane and row: word st is MMA step st (bytes 0,1 and 2,3 as pairs).
+      uint32_t b[TOKT][8];
+#pragma unroll
+      for (int j = 0; j < TOKT; ++j) {
+        const uint8_t* p = arow0 + (g + 8 * j) * arb;
+        if constexpr (kQ8) {
+          uint32_t y[4];
+          if (tok_ok[j])
+            lds128(y, p);
+          else
+            y[0] = y[1] = y[2] = y[3] = 0u;
+#pragma unroll
+          for (int st = 0; st < 4; ++st) {
+            b[j][2 * st] = act_code_pair<0>(y[st]);
+            b[j][2 * st + 1] = act_code_pair<1>(y[st]);
+          }
+        } else {
+          uint32_t y0[4], y1[4];
+          if (tok_ok[j]) {
+            lds128(y0, p);
+            lds128(y1, p + 16);
+          } else {
+            y0[0] = y0[1] = y0[2] = y0[3] = 0u;
+            y1[0] = y1[1] = y1[2] = y1[3] = 0u;
+          }
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            b[j][q] = y0[q];
+            b[j][4 + q] = y1[q];
+          }
+        }
+      }
+#pragma unroll
+      for (int st = 0; st < 4; ++st)
+#pragma unroll
+        for (int i = 0; i < kNT; ++i) {
+          constexpr int kSlot = 0;
+          const int sl = (kNs == 2 && st >= 2) ? 1 : kSlot;
+          uint32_t p01[2], p23[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t sr = s.w[i][h][kNs == 2 ? sl : 0];
+            p01[h] = deq_pair<0>(D, w[i][h][st], sr, 0u, s2);
+            p23[h] = deq_pair<1>(D, w[i][h][st], sr, 0u, s2);
+          }
+          const uint32_t a[4] = {p01[0], p01[1], p23[0], p23[1]};
+#pragma unroll
+          for (int j = 0; j < TOKT; ++j) gemm::mma_16816<kF16>(acc[i][j], a, b[j][2 * st], b[j][2 * st + 1]);
+        }
+    } else {
+      // 32 nibbles per lane and row; word wd gives MMA steps 2wd (pairs 0, 1) and 2wd + 1 (2, 3),
+      // each pair holding k and k + 4. The activations are permuted to the same pairs.
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        uint32_t b[TOKT][4];  // (k0,k4) (k1,k5) (k2,k6) (k3,k7) of the word's 8 positions
+#pragma unroll
+        for (int j = 0; j < TOKT; ++j) {
+          const uint8_t* p = arow0 + (g + 8 * j) * arb;
+          if constexpr (kQ8) {
+            uint32_t y[2];
+            if (tok_ok[j])
+              lds64(y, p + wd * 8);
+            else
+              y[0] = y[1] = 0u;
+            const uint32_t q0 = __byte_perm(y[0], y[1], 0x5140), q1 = __byte_perm(y[0], y[1], 0x7362);
+            b[j][0] = act_code_pair<0>(q0);
+            b[j][1] = act_code_pair<1>(q0);
+            b[j][2] = act_code_pair<0>(q1);
+            b[j][3] = act_code_pair<1>(q1);
+          } else {
+            uint32_t x[4];
+            if (tok_ok[j])
+              lds128(x, p + wd * 16);
+            else
+              x[0] = x[1] = x[2] = x[3] = 0u;
+            b[j][0] = __byte_perm(x[0], x[2], 0x5410);
+            b[j][1] = __byte_perm(x[0], x[2], 0x7632);
+            b[j][2] = __byte_perm(x[1], x[3], 0x5410);
+            b[j][3] = __byte_perm(x[1], x[3], 0x7632);
+          }
+        }
+        const int sl = (kNs == 2 && wd >= 2) ? 1 : 0;
+#pragma unroll
+        for (int i = 0; i < kNT; ++i) {
+          uint32_t pr[2][4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t sr = s.w[i][h][kNs == 2 ? sl : 0];
+            const uint32_t z = WT == WeightType::kUInt4 ? (s.z >> (8 * (i * 2 + h))) & 0xffu : 0u;
+            pr[h][0] = deq_pair<0>(D, w[i][h][wd], sr, z, s2);
+            pr[h][1] = deq_pair<1>(D, w[i][h][wd], sr, z, s2);
+            pr[h][2] = deq_pair<2>(D, w[i][h][wd], sr, z, s2);
+            pr[h][3] = deq_pair<3>(D, w[i][h][wd], sr, z, s2);
+          }
+          const uint32_t a0[4] = {pr[0][0], pr[1][0], pr[0][1], pr[1][1]};
+          const uint32_t a1[4] = {pr[0][2], pr[1][2], pr[0][3], pr[1][3]};
+#pragma unroll
+          for (int j = 0; j < TOKT; ++j) {
+            gemm::mma_16816<kF16>(acc[i][j], a0, b[j][0], b[j][1]);
+            gemm::mma_16816<kF16>(acc[i][j], a1, b[j][2], b[j][3]);
+          }
+        }
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // One work item over the CTA's N slice: the K pipeline, the fixed-order reduction over the wk
+  // warp groups, bias and the rounded store of every valid row.
+  // ------------------------------------------------------------------------------------------
+  template <int TOKT>
+  static __device__ void run(const DecodeLaunch& D, const Item& item, int64_t n0, uint8_t* smem,
+                             const int32_t* s_arow, const int32_t* s_crow) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wn = warp % D.wn, wk = warp / D.wn;
+    const int g = lane >> 2, t = lane & 3;
+    const float s2 = D.g.p.w.scale2 ? D.g.p.w.scale2[item.expert] : 1.0f;
+
+    float acc[kNT][TOKT][4];
+    float part[kQ8 ? kNT : 1][kQ8 ? TOKT : 1][4];
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+      for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+    Scales<TOKT> s0, s1, s2n;  // this iteration, the next, the one after
+    load_scales<TOKT>(D, item, 0, wk, lane, s_arow, s0);
+    load_scales<TOKT>(D, item, 1, wk, lane, s_arow, s1);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < D.iters) issue(D, item, st, smem, s_arow, wk, warp, lane, tid);
+      cp_async_commit();
+    }
+
+    for (int it = 0; it < D.iters; ++it) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage `it` visible to all; stage it - 1 free for the next copies
+      if (it + kStages - 1 < D.iters) issue(D, item, it + kStages - 1, smem, s_arow, wk, warp, lane, tid);
+      cp_async_commit();
+      load_scales<TOKT>(D, item, it + 2, wk, lane, s_arow, s2n);
+
+      const int c = it * D.wk + wk;
+      if (c < D.nc) {
+        const int slot = it % kStages;
+        const uint8_t* wsm = smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16;
+        uint32_t w[kNT][2][4];
+#pragma unroll
+        for (int i = 0; i < kNT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) lds128(w[i][h], wsm + (i * 2 + h) * 512);
+        const uint8_t* arow0 =
+            smem + kStages * kWStageBytes + slot * D.act_stage_bytes + (wk * kKw + t * kEpc) * kAsz;
+        if constexpr (kQ8) {
+#pragma unroll
+          for (int i = 0; i < kNT; ++i)
+#pragma unroll
+            for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+              for (int r = 0; r < 4; ++r) part[i][j][r] = 0.0f;
+          chunk_mma<TOKT>(D, part, w, arow0, g, item.nvalid, s0, s2);
+          // One scale pair per chunk column (the host checked that scale groups cover whole
+          // chunk columns): acc += part * a_scale * (w_scale * scale2), as the generic kernel.
+#pragma unroll
+          for (int i = 0; i < kNT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float ws = scale_to_float(D.g.p.w.scale_type, s0.w[i][h][0]);
+              if (D.g.p.w.scale2) ws = ws * s2;
+#pragma unroll
+              for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) acc[i][j][2 * h + e] += part[i][j][2 * h + e] * s0.a[j][e] * ws;
+            }
+        } else {
+          chunk_mma<TOKT>(D, acc, w, arow0, g, item.nvalid, s0, s2);
+        }
+      }
+      s0 = s1;
+      s1 = s2n;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring becomes the reduction buffer
+
+    // Partial sums of each wk group: red[wk][token][n], rows padded by 8 floats (no bank conflicts).
+    float* red = reinterpret_cast<float*>(smem);
+    const int bnp = D.bn + 8;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+      for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int tok = 8 * j + 2 * t + (r & 1);
+          const int nl = wn * kRowsPerWarp + i * 16 + g + 8 * (r >> 1);
+          if (tok < item.nvalid) red[(wk * kMaxRows + tok) * bnp + nl] = acc[i][j][r];
+        }
+    __syncthreads();
+
+    const int N = D.N;
+    const bool c_f16 = D.g.p.c_type == ElemType::kF16;
+    uint16_t* cout = static_cast<uint16_t*>(D.g.p.c);
+    const float* bias = D.g.p.w.bias;
+    const int half_log2 = __ffs(D.bn / 2) - 1;
+    for (int idx = tid; idx < (item.nvalid << half_log2); idx += kThreads) {
+      const int tok = idx >> half_log2, nl = (idx & ((1 << half_log2) - 1)) * 2;
+      const int64_t n = n0 + nl;
+      if (n >= N) continue;
+      float v0 = 0.0f, v1 = 0.0f;
+      for (int q = 0; q < D.wk; ++q) {  // fixed order: deterministic
+        v0 += red[(q * kMaxRows + tok) * bnp + nl];
+        v1 += red[(q * kMaxRows + tok) * bnp + nl + 1];
+      }
+      if (bias) {
+        v0 += bias[static_cast<int64_t>(item.expert) * N + n];
+        if (n + 1 < N) v1 += bias[static_cast<int64_t>(item.expert) * N + n + 1];
+      }
+      const uint32_t pr = c_f16 ? gemm::pack2<true>(v0, v1) : gemm::pack2<false>(v0, v1);
+      const int64_t off = static_cast<int64_t>(s_crow[tok]) * N + n;
+      if (n + 1 < N && (off & 1) == 0) {
+        *reinterpret_cast<uint32_t*>(cout + off) = pr;
+      } else {
+        cout[off] = static_cast<uint16_t>(pr & 0xffffu);
+        if (n + 1 < N) cout[off + 1] = static_cast<uint16_t>(pr >> 16);
+      }
+    }
+  }
+};
+
+// Rows [lo, hi) of c over the CTA's N slice become zeros.
+__device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int64_t hi, int64_t n0) {
+  if (hi <= lo) return;
+  uint16_t* cout = static_cast<uint16_t*>(D.g.p.c);
+  const int64_t N = D.N;
+  const int64_t n_end = min(N, n0 + D.bn);
+  const int64_t cols = n_end - n0;
+  for (int64_t idx = threadIdx.x; idx < (hi - lo) * cols; idx += kThreads) {
+    const int64_t r = lo + idx / cols, n = n0 + idx % cols;
+    cout[r * N + n] = 0;
+  }
+}
+
+template <WeightType WT, ActKind AK, Deq DQ>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  using K_ = Kern<WT, AK, DQ>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
+  __shared__ int s_info[6];  // expert, nvalid, zero rows lo, hi (grouped scan: expert, lo, hi, tile)
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * D.bn;
+  const GemmLaunch& L = D.g;
+
+  for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
+    int64_t zlo = 0, zhi = 0;
+    if (L.mode == RowMode::kIndexed) {
+      int64_t used = *L.ntpp;
+      used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
+      if (static_cast<int64_t>(item) * L.block_m >= used) break;  // blocks are used in order
+      if (warp == 0) {
+        const int expert = L.block_expert_ids[item];
+        const bool eok = expert >= 0 && expert < L.E;  // never address weights with an invalid id
+        bool valid = false;
+        int64_t id = -1;
+        if (eok && lane < L.block_m) {
+          id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
+          valid = id >= 0 && id < L.c_rows && id / L.gather_div < L.a_rows;
+        }
+        const unsigned mask = __ballot_sync(0xffffffffu, valid);
+        if (valid) {
+          const int slot = __popc(mask & ((1u << lane) - 1u));
+          s_arow[slot] = static_cast<int32_t>(id / L.gather_div);
+          s_crow[slot] = static_cast<int32_t>(id);
+        }
+        if (lane == 0) {
+          s_info[0] = eok ? expert : -1;
+          s_info[1] = eok ? __popc(mask) : 0;
+        }
+      }
+    } else if (L.mode == RowMode::kGrouped) {
+      if (warp == 0) {
+        // Offsets clamped monotone into [0, R]; each expert's rows in items of 16, experts in
+        // order (the generic kernel's enumeration with 16-row tiles).
+        const int R = static_cast<int>(L.R);
+        int found_e = -1, found_lo = 0, found_hi = 0, found_tile = 0;
+        int done = 0, tbase = 0;
+        for (int e0 = 0; e0 < L.E; e0 += 32) {
+          const int e = e0 + lane;
+          int v = e < L.E ? L.offsets[e + 1] : INT_MIN;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v = max(v, y);
+          }
+          const int hi = min(R, max(v, done));
+          int lo = __shfl_up_sync(0xffffffffu, hi, 1);
+          if (lane == 0) lo = done;
+          const int tiles = e < L.E ? (hi - lo + kMaxRows - 1) / kMaxRows : 0;
+          int incl = tiles;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += y;
+          }
+          const int excl = incl - tiles;
+          const bool mine = item < D.gemm_items && e < L.E && item >= tbase + excl && item < tbase + incl;
+          const unsigned m = __ballot_sync(0xffffffffu, mine);
+          if (m) {
+            const int src = __ffs(m) - 1;
+            found_e = __shfl_sync(0xffffffffu, e, src);
+            found_lo = __shfl_sync(0xffffffffu, lo, src);
+            found_hi = __shfl_sync(0xffffffffu, hi, src);
+            found_tile = __shfl_sync(0xffffffffu, item - tbase - excl, src);
+          }
+          done = __shfl_sync(0xffffffffu, hi, 31);
+          tbase += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        int nvalid = 0;
+        int64_t zl = 0, zh = 0;
+        if (item < D.gemm_items) {
+          if (found_e >= 0) {
+            const int first = found_lo + found_tile * kMaxRows;
+            nvalid = min(kMaxRows, found_hi - first);
+            if (lane < nvalid) {
+              s_arow[lane] = first + lane;
+              s_crow[lane] = first + lane;
+            }
+          }
+        } else {
+          // Rows past the last expert's are written as zeros.
+          zl = done + static_cast<int64_t>(item - D.gemm_items) * kMaxRows;
+          zh = min(static_cast<int64_t>(R), zl + kMaxRows);
+        }
+        if (lane == 0) {
+          s_info[0] = found_e;
+          s_info[1] = nvalid;
+          s_info[2] = static_cast<int>(zl);
+          s_info[3] = static_cast<int>(zh);
+        }
+      }
+    } else {
+      if (warp == 0) {
+        const int64_t per = (L.T + kMaxRows - 1) / kMaxRows;
+        const int expert = static_cast<int>(item / per);
+        const int64_t t0 = (item - expert * per) * kMaxRows;
+        int64_t cnt = L.counts[expert];
+        cnt = cnt < 0 ? 0 : (cnt > L.T ? L.T : cnt);
+        const int64_t t_end = min(L.T, t0 + kMaxRows);
+        const int64_t hi_valid = cnt < t_end ? cnt : t_end;
+        const int nvalid = hi_valid > t0 ? static_cast<int>(hi_valid - t0) : 0;
+        if (lane < nvalid) {
+          s_arow[lane] = static_cast<int32_t>(expert * L.T + t0 + lane);
+          s_crow[lane] = s_arow[lane];
+        }
+        if (lane == 0) {
+          s_info[0] = expert;
+          s_info[1] = nvalid;
+          // Rows past the count are written as zeros.
+          s_info[2] = static_cast<int>(expert * L.T + max(cnt, t0));
+          s_info[3] = static_cast<int>(expert * L.T + t_end);
+        }
+      }
+    }
+    __syncthreads();
+    const int expert = s_info[0], nvalid = s_info[1];
+    if (L.mode != RowMode::kIndexed) {
+      zlo = s_info[2];
+      zhi = s_info[3];
+    }
+
+    if (expert >= 0 && nvalid > 0) {
+      typename K_::Item it_;
+      it_.expert = expert;
+      it_.nvalid = nvalid;
+      const WeightView& w = L.p.w;
+      const int wn = warp % D.wn;
+      const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
+      it_.wrow = static_cast<const uint8_t*>(w.data) + (static_cast<int64_t>(expert) * D.N + n_lane) * D.w_row_bytes;
+      it_.row_ok = 0u;
+#pragma unroll
+      for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t n = n_lane + i * 16 + 8 * h;
+          const bool ok = n < D.N;
+          it_.row_ok |= ok ? 1u << (i * 2 + h) : 0u;
+          it_.srow[i][h] = 0u;
+          if constexpr (WT != WeightType::kFloat) {
+            if (ok)
+              it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + static_cast<uint32_t>(n) / L.group_n) *
+                               L.scale_cols;
+          }
+        }
+      if (nvalid <= 8)
+        K_::template run<1>(D, it_, n0, smem, s_arow, s_crow);
+      else
+        K_::template run<2>(D, it_, n0, smem, s_arow, s_crow);
+    }
+    zero_rows(D, zlo, zhi, n0);
+    __syncthreads();  // shared memory is reused by the next item
+  }
+#else
+  __trap();  // sm_90 only: the host dispatches this kernel on compute capability 9.x
+#endif
+}
+
+// Per weight family (gemm_decode_sm90_<family>.cu): launches the kernel variant for the
+// activation kind and dequantization mode.
+template <WeightType WT>
+void launch_family(const DecodeLaunch& D, ActKind ak, Deq dq, dim3 grid, size_t smem, cudaStream_t stream);
+template <>
+void launch_family<WeightType::kFloat>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+template <>
+void launch_family<WeightType::kUInt4>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+template <>
+void launch_family<WeightType::kInt8>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+template <>
+void launch_family<WeightType::kFp8E4M3>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+template <>
+void launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+
+// Raises the kernel's dynamic shared-memory limit once per device (a launch above 48 KB needs it).
+template <WeightType WT, ActKind AK, Deq DQ>
+void launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
+  auto kernel = decode_kernel<WT, AK, DQ>;
+  static unsigned configured = 0;  // bit d: device d configured (a benign race: the calls are idempotent)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const unsigned bit = dev < 32 ? (1u << dev) : 0u;
+  if (!(configured & bit) || !bit) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    configured |= bit;
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(D);
+}
+
+}  // namespace decode
+}  // namespace hj

@@ -1,0 +1,25 @@
+// The decode-path GEMM's host entry (kernels in gemm_decode_sm90.cuh). Compiled into the CUDA
+// library and called by the GEMM handlers only with HUMMING_JAX_FAST_PATHS (CMake option, default
+// OFF) until a GPU run has verified it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ffi_common.h"
+#include "gemm_kernels_sm80.cuh"
+
+namespace hj {
+namespace decode {
+
+// Runs the weight-streaming decode kernel when the call is a decode problem it supports
+// (*launched = true) and otherwise leaves it to the generic kernel (*launched = false). Decided on
+// the host from shapes and attributes only: indexed with block_m <= 16, grouped with at most 16
+// rows per local expert on average, batched with T <= 16; 16-byte aligned rows; scale groups that
+// fit the kernel's chunks; a compute capability 9.0 device. HUMMING_JAX_DECODE=0 turns it off,
+// HUMMING_JAX_DECODE_LOG=1 prints each decision to stderr.
+Error launch_decode(const std::string& call, const gemm::GemmLaunch& L, cudaStream_t stream, bool* launched);
+
+}  // namespace decode
+}  // namespace hj

@@ -1,0 +1,25 @@
+// Decode GEMM kernels for 4-bit integer weights (GPTQ/AWQ, with or without zero points).
+#include "gemm_decode_sm90.cuh"
+
+namespace hj {
+namespace decode {
+
+template <>
+void launch_family<WeightType::kUInt4>(const DecodeLaunch& D, ActKind ak, Deq dq, dim3 grid, size_t smem,
+                                       cudaStream_t stream) {
+  if (ak == ActKind::kBF16 && dq == Deq::kPackedU4)
+    launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kPackedU4)
+    launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4>(D, grid, smem, stream);
+  else if (ak == ActKind::kBF16 && dq == Deq::kF32)
+    launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kF32>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kF32)
+    launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
+  else if (ak == ActKind::kFp8 && dq == Deq::kCodes)
+    launch_variant<WeightType::kUInt4, ActKind::kFp8, Deq::kCodes>(D, grid, smem, stream);
+  else if (ak == ActKind::kI8 && dq == Deq::kCodes)
+    launch_variant<WeightType::kUInt4, ActKind::kI8, Deq::kCodes>(D, grid, smem, stream);
+}
+
+}  // namespace decode
+}  // namespace hj

@@ -15,6 +15,10 @@ namespace {
 
 std::atomic<uint64_t> g_launches{0};
 
+// sm_90: shared memory per SM, and what the system keeps per resident CTA.
+constexpr int64_t kSmemPerSm = 228 * 1024;
+constexpr int64_t kSmemReservedPerCta = 1024 + 512;  // + the kernel's static shared memory
+
 bool env_flag(const char* name, bool unset) {
   const char* v = std::getenv(name);
   if (!v || !*v) return unset;
@@ -98,7 +102,8 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       if (blocks > INT32_MAX) return decline(L, "too many blocks");
       D.items = static_cast<int>(blocks);
       grid_items = bound;
-      D.max_rows = static_cast<int>(L.block_m);
+      // A block holds at most block_m ids, all distinct and below c_rows.
+      D.max_rows = static_cast<int>(std::min(L.block_m, L.c_rows));
       est = std::max<int64_t>(1, std::min(bound, expected_distinct(E, L.c_rows)));
       break;
     }
@@ -112,7 +117,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       D.gemm_items = static_cast<int>(gemm_items);
       D.items = static_cast<int>(gemm_items + tiles);
       grid_items = D.items;
-      D.max_rows = kMaxRows;
+      D.max_rows = static_cast<int>(std::min<int64_t>(kMaxRows, R));
       est = std::max<int64_t>(1, expected_distinct(E, R));
       break;
     }
@@ -165,28 +170,40 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   D.div_agk = make_fastdiv(
       static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(p.a.group_k, 1), int64_t{1} << 30)));
 
-  // Warps along K: the fewest that still give every SM two CTAs of expected work (more rows per
-  // CTA share each activation load), and no more than the chunk columns of K.
+  // Warps along K (wk) against warps along N: more CTAs (large wk) let more SMs stream at once, a
+  // wider CTA (small wk) shares each activation load among more rows and keeps the activation
+  // stage small enough for two CTAs per SM (the register budget allows two). Pick the wk with the
+  // most CTAs resident at once (expected work items times N slices, capped by the SM slots its
+  // shared memory leaves), the smallest wk among equals; never more K groups than chunk columns.
   D.nc = static_cast<int>((K + kw - 1) / kw);
-  int wk = kWarps;
-  for (int c = 1; c <= kWarps; c *= 2) {
+  const int lane_bytes = epc * asz;  // activation bytes a lane reads per token and chunk column
+  auto act_row_bytes = [&](int wk) {
+    // Rows padded so that the lanes of a quarter warp read distinct banks.
+    const int base = wk * kw * asz;
+    const int want = lane_bytes == 16 ? 64 : 16;
+    return base + ((want - base % 128) + 128) % 128;
+  };
+  auto smem_for = [&](int wk) {
+    return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
+  };
+  int wk = 1;
+  int64_t best = -1;
+  for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
+    const int64_t sm = smem_for(c);
+    if (sm > kMaxDynamicSmem) break;
+    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
     const int64_t bn = kWarps / c * kRowsPerWarp;
-    if (est * ((N + bn - 1) / bn) >= 2 * static_cast<int64_t>(sms)) {
+    const int64_t resident = std::min(est * ((N + bn - 1) / bn), per_sm * sms);
+    if (resident > best) {
+      best = resident;
       wk = c;
-      break;
     }
   }
-  while (wk > 1 && wk > D.nc) wk /= 2;
   D.wk = wk;
   D.wn = kWarps / wk;
   D.bn = D.wn * kRowsPerWarp;
   D.iters = (D.nc + wk - 1) / wk;
-
-  // Activation stage: rows padded so that the lanes of a quarter warp read distinct banks.
-  const int lane_bytes = epc * asz;  // activation bytes a lane reads per token and chunk column
-  const int base = wk * kw * asz;
-  const int want = lane_bytes == 16 ? 64 : 16;
-  D.act_row_bytes = base + ((want - base % 128) + 128) % 128;
+  D.act_row_bytes = act_row_bytes(wk);
   D.act_stage_bytes = D.max_rows * D.act_row_bytes;
 
   const int64_t n_slices = (N + D.bn - 1) / D.bn;

@@ -218,13 +218,16 @@ __device__ __forceinline__ uint32_t fp8_code_pair(uint32_t w) {
 // ---------------------------------------------------------------------------------------------
 // Weight scales.
 // ---------------------------------------------------------------------------------------------
+// Raw bits of scale element idx. SB: the element size when the variant fixes it (the packed modes),
+// 0 to read it from the launch (f32 first: every 8-bit weight scheme has f32 scales).
+template <int SB>
 __device__ __forceinline__ uint32_t load_scale_raw(ElemType t, const void* base, uint32_t idx) {
-  switch (t) {
-    case ElemType::kF32: return __ldg(static_cast<const unsigned int*>(base) + idx);
-    case ElemType::kBF16:
-    case ElemType::kF16: return __ldg(static_cast<const unsigned short*>(base) + idx);
-    default: return __ldg(static_cast<const unsigned char*>(base) + idx);
-  }
+  if constexpr (SB == 4) return __ldg(static_cast<const unsigned int*>(base) + idx);
+  if constexpr (SB == 2) return __ldg(static_cast<const unsigned short*>(base) + idx);
+  if constexpr (SB == 1) return __ldg(static_cast<const unsigned char*>(base) + idx);
+  if (t == ElemType::kF32) return __ldg(static_cast<const unsigned int*>(base) + idx);
+  if (t == ElemType::kBF16 || t == ElemType::kF16) return __ldg(static_cast<const unsigned short*>(base) + idx);
+  return __ldg(static_cast<const unsigned char*>(base) + idx);
 }
 
 __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
@@ -251,6 +254,7 @@ struct Kern {
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
   static constexpr int kNs = DQ == Deq::kF32 ? 2 : 1;                            // scale slots per chunk
   static constexpr bool kScaled = WT != WeightType::kFloat;
+  static constexpr int kSB = DQ == Deq::kPackedU4 ? 2 : (DQ == Deq::kPackedFp4 ? 1 : 0);  // scale bytes
   static_assert(!(kQ8 && DQ != Deq::kCodes), "8-bit activations use codes");
   static_assert(!(WT == WeightType::kFloat && DQ != Deq::kRaw), "16-bit weights are used as they are");
 
@@ -265,48 +269,47 @@ struct Kern {
 
   struct Item {
     int expert, nvalid;
-    const uint8_t* wrow;    // the lane's first weight row (g of tile 0); the others follow at 8-row steps
+    const uint8_t* wlane;   // the lane's 16 bytes of chunk column 0 in its first row (g of tile 0)
+    int64_t stride8;        // bytes of 8 weight rows: row g + 8h of tile i is (2i + h) strides further
     unsigned row_ok;        // bit i * 2 + h: row g + 8h of tile i lies below N
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
   };
 
-  static __device__ __forceinline__ const uint8_t* row_ptr(const DecodeLaunch& D, const Item& it_, int i, int h) {
-    return it_.wrow + static_cast<int64_t>(i * 16 + 8 * h) * D.w_row_bytes;
-  }
-
   // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
   static __device__ __forceinline__ void issue(const DecodeLaunch& D, const Item& it_, int it, uint8_t* smem,
-                                               const int32_t* s_arow, int wk, int warp, int lane, int tid) {
+                                               const int64_t* s_abyte, int wk, int warp, int lane, int tid) {
     const int slot = it % kStages;
     const int c = it * D.wk + wk;
     const int t = lane & 3;
     if (c < D.nc) {
-      const int kbyte = c * kChunkRowBytes + t * 16;
       const bool kok = c * kKw + t * kEpc < D.K;
-      uint8_t* dst = smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16;
+      const uint8_t* src = it_.wlane + static_cast<uint32_t>(c) * kChunkRowBytes;
+      uint32_t dst = smem_addr(smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16);
 #pragma unroll
-      for (int i = 0; i < kNT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const bool ok = kok && ((it_.row_ok >> (i * 2 + h)) & 1u);
-          cp_async_weights(dst + (i * 2 + h) * 512,
-                           ok ? row_ptr(D, it_, i, h) + kbyte : static_cast<const uint8_t*>(D.g.p.w.data),
-                           ok ? 16 : 0);
-        }
+      for (int q = 0; q < kNT * 2; ++q) {
+        const bool ok = kok && ((it_.row_ok >> q) & 1u);
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst + q * 512),
+                     "l"(ok ? src : it_.wlane), "r"(ok ? 16 : 0)
+                     : "memory");
+        src += it_.stride8;
+      }
     }
-    // Activations of the item's rows for the stage's K range, shared by the CTA's warps.
+    // Activations of the item's rows for the stage's K range, shared by the CTA's warps. Row r's
+    // bytes start at s_abyte[r] (set per item); 16-byte unit cu of the stage is k = k_first + cu * 16 / kAsz.
     const int ks_bytes = D.wk * kKw * kAsz;
     const int upr_log2 = __ffs(ks_bytes / 16) - 1;  // 16-byte units per row (a power of two)
     const int units = it_.nvalid << upr_log2;
-    uint8_t* abase = smem + kStages * kWStageBytes + slot * D.act_stage_bytes;
+    const uint32_t abase = smem_addr(smem + kStages * kWStageBytes + slot * D.act_stage_bytes);
     const uint8_t* a = static_cast<const uint8_t*>(D.g.p.a.data);
-    const int64_t k_first = static_cast<int64_t>(it) * D.wk * kKw;
+    const int64_t kb_first = static_cast<int64_t>(it) * ks_bytes;  // byte offset of the stage in a row
+    const int64_t row_bytes = static_cast<int64_t>(D.K) * kAsz;
     for (int u = tid; u < units; u += kThreads) {
       const int r = u >> upr_log2, cu = u & ((1 << upr_log2) - 1);
-      const int64_t k = k_first + cu * (16 / kAsz);
-      const bool ok = k < D.K;
-      const uint8_t* src = a + (static_cast<int64_t>(s_arow[r]) * D.K + k) * kAsz;
-      cp_async16(abase + r * D.act_row_bytes + cu * 16, ok ? src : a, ok ? 16 : 0);
+      const int64_t kb = kb_first + cu * 16;
+      const bool ok = kb < row_bytes;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(abase + r * D.act_row_bytes + cu * 16),
+                   "l"(ok ? a + s_abyte[r] + kb : a), "r"(ok ? 16 : 0)
+                   : "memory");
     }
   }
 
@@ -340,9 +343,10 @@ struct Kern {
         for (int h = 0; h < 2; ++h) {
           const bool ok = kok && ((it_.row_ok >> (i * 2 + h)) & 1u);
           const uint32_t base = it_.srow[i][h];
-          s.w[i][h][0] = ok ? load_scale_raw(w.scale_type, w.scale, base + sk0) : 0u;
+          s.w[i][h][0] = ok ? load_scale_raw<kSB>(w.scale_type, w.scale, base + sk0) : 0u;
           if constexpr (kNs == 2)
-            s.w[i][h][1] = ok ? (sk1 == sk0 ? s.w[i][h][0] : load_scale_raw(w.scale_type, w.scale, base + sk1)) : 0u;
+            s.w[i][h][1] =
+                ok ? (sk1 == sk0 ? s.w[i][h][0] : load_scale_raw<kSB>(w.scale_type, w.scale, base + sk1)) : 0u;
           if constexpr (WT == WeightType::kUInt4) {
             if (ok && w.zero) {
               const int sh = 8 * (i * 2 + h);
@@ -396,22 +400,9 @@ struct Kern {
       const uint32_t zm = ((kF16 ? 0x6400u : 0x4300u) + z) * 0x10001u;
       return hmul2<kF16>(hsub2<kF16>(m, zm), sraw * 0x10001u);
     } else if constexpr (DQ == Deq::kPackedFp4) {
-      // e2m1 * 2^-126 as bf16, times 2^(s - 1) = 2^126 * 2^(s - 127): exact whenever the result is
-      // representable (every e2m1 value has two significant bits). Scales above 2^1 take two
-      // multiplies so that no factor overflows; s = 255 is NaN, as e8m0_to_float says.
-      const uint32_t bits = e2m1_bits<P, 6>(word);
-      uint32_t f1, f2 = 0;
-      if (sraw <= 128u) {
-        f1 = (sraw + 126u) << 7;
-      } else if (sraw == 255u) {
-        f1 = 0x7fc0u;
-      } else {
-        f1 = 0x7f00u;              // 2^127
-        f2 = (sraw - 1u) << 7;     // 2^(s - 128)
-      }
-      uint32_t r = hmul2<false>(bits, f1 * 0x10001u);
-      if (f2) r = hmul2<false>(r, f2 * 0x10001u);
-      return r;
+      // e2m1 * 2^-126 as bf16 times the first factor of fp4_factors (here `sraw`); the rare
+      // second factor is applied by the caller.
+      return hmul2<false>(e2m1_bits<P, 6>(word), sraw);
     } else {  // kF32
       const uint32_t cp = code_pair<P>(word, z);
       const float sc = scale_to_float(D.g.p.w.scale_type, sraw);
@@ -422,6 +413,15 @@ struct Kern {
       }
       return gemm::pack2<kF16>(lo, hi);
     }
+  }
+
+  // e8m0 scale s as bf16 factors of e2m1 * 2^-126: 2^(s - 1) = 2^126 * 2^(s - 127) in one factor
+  // when s <= 128, else 2^127 and 2^(s - 128) (no factor may overflow); s = 255 is NaN, as
+  // e8m0_to_float says. Every product is exact when representable (e2m1 has two significant bits).
+  static __device__ __forceinline__ void fp4_factors(uint32_t s, uint32_t& f1, uint32_t& f2, bool& two) {
+    two = s > 128u && s != 255u;
+    f1 = (s <= 128u ? (s + 126u) << 7 : (s == 255u ? 0x7fc0u : 0x7f00u)) * 0x10001u;
+    f2 = two ? ((s - 1u) << 7) * 0x10001u : 0x3f803f80u;
   }
 
   // Activation codes (8-bit) as f16 pairs.
@@ -552,12 +552,21 @@ struct Kern {
           uint32_t pr[2][4];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const uint32_t sr = s.w[i][h][kNs == 2 ? sl : 0];
+            uint32_t sr = s.w[i][h][kNs == 2 ? sl : 0];
+            uint32_t f2 = 0;
+            bool two = false;
+            if constexpr (DQ == Deq::kPackedFp4) fp4_factors(sr, sr, f2, two);
             const uint32_t z = WT == WeightType::kUInt4 ? (s.z >> (8 * (i * 2 + h))) & 0xffu : 0u;
             pr[h][0] = deq_pair<0>(D, w[i][h][wd], sr, z, s2);
             pr[h][1] = deq_pair<1>(D, w[i][h][wd], sr, z, s2);
             pr[h][2] = deq_pair<2>(D, w[i][h][wd], sr, z, s2);
             pr[h][3] = deq_pair<3>(D, w[i][h][wd], sr, z, s2);
+            if constexpr (DQ == Deq::kPackedFp4) {
+              if (__any_sync(0xffffffffu, two)) {  // scales above 2^1: practically never
+#pragma unroll
+                for (int q = 0; q < 4; ++q) pr[h][q] = hmul2<false>(pr[h][q], f2);
+              }
+            }
           }
           const uint32_t a0[4] = {pr[0][0], pr[1][0], pr[0][1], pr[1][1]};
           const uint32_t a1[4] = {pr[0][2], pr[1][2], pr[0][3], pr[1][3]};
@@ -577,7 +586,7 @@ struct Kern {
   // ------------------------------------------------------------------------------------------
   template <int TOKT>
   static __device__ void run(const DecodeLaunch& D, const Item& item, int64_t n0, uint8_t* smem,
-                             const int32_t* s_arow, const int32_t* s_crow) {
+                             const int32_t* s_arow, const int32_t* s_crow, const int64_t* s_abyte) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wn = warp % D.wn, wk = warp / D.wn;
     const int g = lane >> 2, t = lane & 3;
@@ -597,14 +606,14 @@ struct Kern {
     load_scales<TOKT>(D, item, 1, wk, lane, s_arow, s1);
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-      if (st < D.iters) issue(D, item, st, smem, s_arow, wk, warp, lane, tid);
+      if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid);
       cp_async_commit();
     }
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // stage `it` visible to all; stage it - 1 free for the next copies
-      if (it + kStages - 1 < D.iters) issue(D, item, it + kStages - 1, smem, s_arow, wk, warp, lane, tid);
+      if (it + kStages - 1 < D.iters) issue(D, item, it + kStages - 1, smem, s_abyte, wk, warp, lane, tid);
       cp_async_commit();
       load_scales<TOKT>(D, item, it + 2, wk, lane, s_arow, s2n);
 
@@ -714,6 +723,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   using K_ = Kern<WT, AK, DQ>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
+  __shared__ int64_t s_abyte[kMaxRows];  // byte offset of each row of a
   __shared__ int s_info[6];  // expert, nvalid, zero rows lo, hi (grouped scan: expert, lo, hi, tile)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -736,14 +746,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
           valid = id >= 0 && id < L.c_rows && id / L.gather_div < L.a_rows;
         }
         const unsigned mask = __ballot_sync(0xffffffffu, valid);
-        if (valid) {
-          const int slot = __popc(mask & ((1u << lane) - 1u));
+        const int slot = __popc(mask & ((1u << lane) - 1u));
+        if (valid && slot < D.max_rows) {  // ids are distinct: a block holds at most max_rows
           s_arow[slot] = static_cast<int32_t>(id / L.gather_div);
           s_crow[slot] = static_cast<int32_t>(id);
         }
         if (lane == 0) {
           s_info[0] = eok ? expert : -1;
-          s_info[1] = eok ? __popc(mask) : 0;
+          s_info[1] = eok ? min(__popc(mask), D.max_rows) : 0;
         }
       }
     } else if (L.mode == RowMode::kGrouped) {
@@ -838,13 +848,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
     }
 
     if (expert >= 0 && nvalid > 0) {
+      if (tid < nvalid) s_abyte[tid] = static_cast<int64_t>(s_arow[tid]) * D.K * K_::kAsz;
+      __syncthreads();
       typename K_::Item it_;
       it_.expert = expert;
       it_.nvalid = nvalid;
       const WeightView& w = L.p.w;
       const int wn = warp % D.wn;
       const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
-      it_.wrow = static_cast<const uint8_t*>(w.data) + (static_cast<int64_t>(expert) * D.N + n_lane) * D.w_row_bytes;
+      it_.wlane = static_cast<const uint8_t*>(w.data) +
+                  (static_cast<int64_t>(expert) * D.N + n_lane) * D.w_row_bytes + (lane & 3) * 16;
+      it_.stride8 = static_cast<int64_t>(8) * D.w_row_bytes;
       it_.row_ok = 0u;
 #pragma unroll
       for (int i = 0; i < kNT; ++i)
@@ -861,9 +875,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
           }
         }
       if (nvalid <= 8)
-        K_::template run<1>(D, it_, n0, smem, s_arow, s_crow);
+        K_::template run<1>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
       else
-        K_::template run<2>(D, it_, n0, smem, s_arow, s_crow);
+        K_::template run<2>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
     }
     zero_rows(D, zlo, zhi, n0);
     __syncthreads();  // shared memory is reused by the next item

@@ -3,7 +3,8 @@ against the CPU handler, the generic CUDA kernel or the oracle at the shapes it 
 that the path actually ran.
 
 Skipped unless the CUDA handlers are registered; each path's tests also skip when the library was
-built without it. Sections: prefill (CUTLASS grouped GEMM, cuda_ffi/gemm_prefill_sm90*).
+built without it. Sections: prefill (CUTLASS grouped GEMM, cuda_ffi/gemm_prefill_sm90*); decode
+(weight-streaming GEMM, cuda_ffi/gemm_decode_sm90*).
 """
 
 from __future__ import annotations
@@ -16,18 +17,21 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TOL, nan_out, random_layer
 
 import humming_jax as hj
 from humming_jax import _ffi
-from humming_jax.experts import GroupedExperts
+from humming_jax._abi import WeightType
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts, indexed_block_m
 from humming_jax.ops import activation as act_ops
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
-from humming_jax.reference import InputQuant, moe_reference, relative_error
+from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
+from humming_jax.weights import PackedWeight
 
 CPU = jax.devices("cpu")[0]
 GPU = jax.devices("cuda")[0] if hj.cuda_available() else None
@@ -306,5 +310,374 @@ def test_prefill_command_buffers_give_the_same_results(tmp_path, scheme):
         results[name] = np.load(path)
         launches[name] = int(proc.stdout.split("launches")[-1])
     assert launches["plain"] >= 12, launches  # two GEMMs per step
+    assert np.all(np.isfinite(results["graphs"]))
+    np.testing.assert_array_equal(results["graphs"], results["plain"])
+
+
+# ================================================================================================
+# Decode: the weight-streaming GEMM (cuda_ffi/gemm_decode_sm90*). It takes gemm_indexed calls with
+# block_m <= 16, gemm_grouped calls with at most 16 rows per local expert on average and
+# gemm_batched calls with T <= 16, when weight and activation rows are 16-byte aligned (K a
+# multiple of 8 for 16-bit weights, 16 for 8-bit, 32 for 4-bit) and the weight scale groups fit its
+# lane chunks (8-bit activations: scale groups of whole 64-k / 128-k chunk columns, so
+# w4a8-mxfp4-fp8 stays on the generic kernel). HUMMING_JAX_DECODE=0 turns it off.
+# ================================================================================================
+_DECODE_LAUNCHES = _cuda_symbol("HjDecodeLaunches") if GPU is not None else None
+
+requires_decode = pytest.mark.skipif(
+    _DECODE_LAUNCHES is None or not _SM90,
+    reason="decode path absent: library built without HUMMING_JAX_FAST_PATHS, or not an sm_90 device",
+)
+
+
+class _DecodeCount:
+    """Counts decode GEMM launches made inside the block (host-side launches)."""
+
+    def __enter__(self):
+        self.start = _DECODE_LAUNCHES()
+        return self
+
+    def __exit__(self, *exc):
+        self.count = _DECODE_LAUNCHES() - self.start
+        return False
+
+
+# M tokens, top-k, local experts, N, K: E up to 128, k up to 8, odd and even N (not multiples of
+# the 32-row warp tile), K a multiple of 128 (int4 and fp8 groups).
+_DECODE_SHAPES = [(1, 8, 128, 72, 256), (3, 2, 8, 131, 384), (16, 4, 16, 96, 256), (16, 8, 32, 200, 128)]
+
+# Every scheme at its default activation type on every shape, plus (on one shape) the paths other
+# activation types select: fp16 activations with int4 (the packed path in f16) and with e2m1,
+# int8 or fp8 codes (the float32 path).
+_DECODE_CASES = [(s, SCHEMES[s].default_dtype, shape) for s in sorted(SCHEMES) if s != "w4a8-mxfp4-fp8"
+                 for shape in _DECODE_SHAPES] + [
+    (s, jnp.float16, _DECODE_SHAPES[1])
+    for s in ("w4a16-int4-g128", "w4a16-uint4-zp-g128", "w4a16-mxfp4", "w4a16-nvfp4", "w8a16-int8-channel",
+              "w8a16-fp8-block128")
+]
+
+
+def _decode_weights(rng, scheme, dtype, e, n, kdim):
+    return SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
+
+
+def _decode_routing(rng, m, k, e):
+    """topk ids over e local experts and 2 remote ones (map -1), distinct per token, ~10% padding."""
+    ids = np.argsort(rng.random((m, e + 2)), axis=1)[:, :k]
+    ids = np.where(rng.random((m, k)) < 0.1, -1, ids).astype(np.int32)
+    emap = np.concatenate([np.arange(e), [-1, -1]]).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(emap)
+
+
+def _decode_forms(rng, w, bias, dtype, quant, m, k, t=5):
+    """All decode-sized GEMM calls on one random problem, as one function of its operands:
+    gemm_indexed as GEMM1 (rows gathered by id // k) and as GEMM2 (gather_div 1), gemm_grouped,
+    gemm_batched and gemm_batched_into (into a NaN-filled out). Returns (fn, operands)."""
+    e, kdim = w.num_experts, w.k
+    n = int(w.data.shape[1])
+    ids, emap = _decode_routing(rng, m, k, e)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), dtype)
+    a2 = jnp.asarray(rng.standard_normal((m * k, kdim)), dtype)
+    xb = jnp.asarray(rng.standard_normal((e, t, kdim)), dtype)
+    counts = jnp.asarray(rng.integers(-1, t + 2, e).astype(np.int32))
+    out = jnp.full((e, t, n), jnp.nan, dtype)
+    agk = quant[1] if quant else 0
+    bm = indexed_block_m(m * k, e)
+
+    def act(v):
+        return act_ops.quantize(v, quant[0], quant[1]) if quant else (v, None)
+
+    def fn(x, a2, xb, ids, emap, counts, w, bias, out):
+        r = routing_ops.routing_indexed(ids, emap, e, bm)
+        a, s = act(x)
+        c1 = gemm_ops.gemm_indexed(a, s, w, bias, r, rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype,
+                                   act_group_k=agk)
+        a2q, s2q = act(a2)
+        c2 = gemm_ops.gemm_indexed(a2q, s2q, w, bias, r, rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype,
+                                   act_group_k=agk)
+        rg = routing_ops.routing_grouped(ids, emap, e)
+        ag, sg = act(routing_ops.permute_rows(x, rg, k))
+        cg = gemm_ops.gemm_grouped(ag, sg, w, bias, rg.expert_first_token_offset, out_dtype=dtype, act_group_k=agk)
+        ab, sb = act(xb.reshape(e * t, kdim))
+        ab = ab.reshape(e, t, kdim)
+        cb = gemm_ops.gemm_batched(ab, sb, w, bias, counts, out_dtype=dtype, act_group_k=agk)
+        cbi = gemm_ops.gemm_batched(ab, sb, w, bias, counts, out_dtype=dtype, act_group_k=agk, out=out)
+        return dict(c1=c1, c2=c2, cg=cg, cb=cb, cbi=cbi, src=r.src_rows, off=rg.expert_first_token_offset)
+
+    return fn, (x, a2, xb, ids, emap, counts, w, bias, out)
+
+
+def _run_on(dev, fn, operands):
+    placed = jax.device_put(operands, dev)
+    return {name: _to_np(v) for name, v in jax.block_until_ready(jax.jit(fn)(*placed)).items()}
+
+
+def _check_decode_forms(got, want, dtype, what, counts, t):
+    """GPU against CPU results of _decode_forms: every form equal up to accumulation order, every
+    row that must be written finite, zero rows exactly zero."""
+    np.testing.assert_array_equal(got["src"], want["src"])
+    valid = want["src"].reshape(-1) >= 0  # rows of c the indexed GEMMs write
+    for name in ("c1", "c2"):
+        _assert_close(got[name][valid], want[name][valid], dtype, f"{what} indexed {name}")
+    _assert_close(got["cg"], want["cg"], dtype, f"{what} grouped")
+    last = int(want["off"][-1])
+    assert np.all(got["cg"][last:] == 0.0), f"{what}: grouped rows past off[E] must be zeros"
+    for name in ("cb", "cbi"):
+        _assert_close(got[name], want[name], dtype, f"{what} {name}")
+        for e, cnt in enumerate(np.clip(np.asarray(counts), 0, t)):
+            assert np.all(got[name][e, cnt:] == 0.0), f"{what} {name}: rows past the count must be zeros"
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme,dtype,shape", _DECODE_CASES,
+                         ids=[f"{s}-{jnp.dtype(d).name}-M{sh[0]}E{sh[2]}N{sh[3]}" for s, d, sh in _DECODE_CASES])
+def test_decode_every_scheme_and_form_matches_cpu(rng, scheme, dtype, shape):
+    m, k, e, n, kdim = shape
+    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1) if m == 3 else None
+    quant = act_quant_params(SCHEMES[scheme].act_key)
+    fn, ops = _decode_forms(rng, w, bias, dtype, quant, m, k)
+    with _DecodeCount() as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 5, f"expected the five GEMM calls on the decode kernel, got {launched.count}"
+    want = _run_on(CPU, fn, ops)
+    _check_decode_forms(got, want, dtype, f"{scheme}/{jnp.dtype(dtype).name} M={m}", ops[5], 5)
+
+
+def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, *, zero=False, scale2=False, scale_values=None):
+    """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
+    cols = -(-kdim // group_k)
+    if scale_values is not None:
+        scale = jnp.asarray(rng.choice(np.asarray(scale_values), (e, n, cols)))
+    else:
+        scale = jnp.asarray((rng.random((e, n, cols)) * 0.05 + 0.01).astype(scale_dtype))
+    if wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
+        data = jnp.asarray(rng.integers(0, 256, (e, n, kdim // 2)).astype(np.uint8))
+    elif wtype == WeightType.INT8:
+        data = jnp.asarray(rng.integers(-127, 128, (e, n, kdim)).astype(np.int8))
+    elif wtype == WeightType.FP8_E4M3:
+        data = jnp.asarray((rng.standard_normal((e, n, kdim)) * 2).astype(ml_dtypes.float8_e4m3fn))
+    else:
+        data = jnp.asarray(rng.standard_normal((e, n, kdim)), scale_dtype)
+        return PackedWeight(data, wtype=WeightType.FLOAT, k=kdim)
+    z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
+    s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
+    return PackedWeight(data, scale, z, s2, wtype, kdim, 1, group_k)
+
+
+@requires_decode
+@pytest.mark.parametrize(
+    "wtype,kdim,group_k,scale_dtype,zero,scale2,dtype,quant",
+    [
+        # int4 with float32 scales, with bf16 scales under fp16 activations, with scale2
+        (WeightType.UINT4, 256, 128, np.float32, True, False, jnp.bfloat16, None),
+        (WeightType.UINT4, 96, 32, ml_dtypes.bfloat16, False, False, jnp.float16, None),
+        (WeightType.UINT4, 128, 16, jnp.bfloat16, True, True, jnp.bfloat16, None),  # two scales per lane chunk
+        # K with a partial last chunk column (not a multiple of 32 / 64 / 128 k)
+        (WeightType.FLOAT, 40, 1, jnp.bfloat16, False, False, jnp.bfloat16, None),
+        (WeightType.FLOAT, 72, 1, jnp.float16, False, False, jnp.float16, None),
+        (WeightType.FP8_E4M3, 80, 16, np.float32, False, True, jnp.bfloat16, None),
+        (WeightType.INT8, 48, 8, np.float16, False, False, jnp.bfloat16, None),  # groups of half a lane chunk
+        (WeightType.FP4_E2M1, 96, 32, ml_dtypes.float8_e4m3fn, False, True, jnp.bfloat16, None),
+        (WeightType.FP4_E2M1, 160, 16, ml_dtypes.float8_e4m3fn, False, True, jnp.float16, None),
+        # 8-bit activations: groups spanning K, or whole chunk columns
+        (WeightType.UINT4, 256, 128, np.float32, True, False, jnp.bfloat16, ("fp8", 128)),
+        (WeightType.INT8, 192, 192, np.float32, False, True, jnp.float16, ("int8", 0)),
+        (WeightType.FP8_E4M3, 192, 64, np.float32, False, False, jnp.bfloat16, ("fp8", 64)),
+        (WeightType.FP4_E2M1, 256, 128, np.float32, False, False, jnp.bfloat16, ("int8", 128)),
+    ],
+)
+def test_decode_scale_types_groups_and_partial_chunks_match_cpu(rng, wtype, kdim, group_k, scale_dtype, zero,
+                                                                 scale2, dtype, quant):
+    e, n, m, k = 6, 67, 3, 2
+    w = _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, zero=zero, scale2=scale2)
+    fn, ops = _decode_forms(rng, w, None, dtype, quant, m, k, t=9)
+    with _DecodeCount() as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 5
+    want = _run_on(CPU, fn, ops)
+    _check_decode_forms(got, want, dtype, f"{wtype.name} K={kdim} g={group_k}", ops[5], 9)
+
+
+@requires_decode
+def test_decode_mxfp4_extreme_scales_match_cpu_per_row(rng):
+    """e8m0 scales at the edges of the packed e2m1 path: 2^-127 (s = 0, subnormal products), the
+    largest single factor (s = 128) and the two-factor case (s > 128), checked row by row."""
+    e, n, kdim, m, k = 4, 64, 128, 2, 2
+    w = _custom_weight(rng, WeightType.FP4_E2M1, e, n, kdim, 32, np.uint8,
+                       scale_values=np.array([0, 1, 100, 127, 128, 129, 140, 160], np.uint8))
+    fn, ops = _decode_forms(rng, w, None, jnp.bfloat16, None, m, k, t=4)
+    with _DecodeCount() as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 5
+    want = _run_on(CPU, fn, ops)
+    cb, wb = got["cb"].reshape(-1, n), want["cb"].reshape(-1, n)
+    rows = np.abs(wb).max(axis=0) > 0
+    for col in np.nonzero(rows)[0]:  # each output column is one weight row with its own scales
+        np.testing.assert_allclose(cb[:, col], wb[:, col], rtol=2e-2, atol=2e-2 * np.abs(wb[:, col]).max(),
+                                   err_msg=f"column {col}")
+
+
+@requires_decode
+@pytest.mark.parametrize(
+    "what,scheme,kdim",
+    [
+        ("8-bit activations with 32-k weight groups", "w4a8-mxfp4-fp8", 256),
+        ("K not a multiple of 8 (rows not 16-byte aligned)", "bf16", 36),
+    ],
+)
+def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, scheme, kdim):
+    dtype = SCHEMES[scheme].default_dtype
+    if scheme == "bf16":
+        w = _custom_weight(rng, WeightType.FLOAT, 4, 40, kdim, 1, jnp.bfloat16)
+    else:
+        w = _decode_weights(rng, scheme, dtype, 4, 40, kdim)
+    fn, ops = _decode_forms(rng, w, None, dtype, act_quant_params(SCHEMES[scheme].act_key), 2, 2, t=3)
+    with _DecodeCount() as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 0, what
+    _check_decode_forms(got, _run_on(CPU, fn, ops), dtype, what, ops[5], 3)
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w8a8-fp8-block128", "w4a16-mxfp4"])
+def test_decode_is_deterministic(rng, scheme):
+    dtype = SCHEMES[scheme].default_dtype
+    w = _decode_weights(rng, scheme, dtype, 16, 256, 512)
+    bias = jnp.asarray(rng.standard_normal((16, 256)).astype(np.float32) * 0.1)
+    fn, ops = _decode_forms(rng, w, bias, dtype, act_quant_params(SCHEMES[scheme].act_key), 16, 4)
+    runs = [_run_on(GPU, fn, ops) for _ in range(3)]
+    valid = runs[0]["src"].reshape(-1) >= 0  # the indexed GEMMs leave padding rows unwritten
+    for r in runs[1:]:
+        for name in ("c1", "c2"):
+            np.testing.assert_array_equal(r[name][valid], runs[0][name][valid], err_msg=name)
+        for name in ("cg", "cb", "cbi"):
+            np.testing.assert_array_equal(r[name], runs[0][name], err_msg=name)
+
+
+@requires_decode
+@pytest.mark.parametrize(
+    "scheme,m,k,e,n,kdim",
+    [
+        # Model-like expert counts and K, N cut so the host-made weights stay small.
+        ("bf16", 1, 8, 128, 256, 2048),  # qwen3-30b-a3b GEMM1-like
+        ("w4a16-int4-g128", 16, 8, 128, 256, 2048),
+        ("w4a16-int4-g128", 1, 2, 8, 2048, 4096),  # mixtral-8x7b GEMM1-like: few experts, long N
+        ("bf16", 3, 2, 8, 512, 14336),  # mixtral-8x7b GEMM2-like: long K, wide K split
+        ("w8a8-fp8-block128", 4, 8, 32, 256, 7168),  # deepseek-v3-ep8 GEMM1-like
+        ("w4a16-mxfp4", 16, 4, 32, 256, 2880),  # gpt-oss: K = 2880 is not a multiple of 128
+        ("w4a16-nvfp4", 2, 4, 32, 256, 2048),
+    ],
+)
+def test_decode_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme, m, k, e, n, kdim):
+    dtype = SCHEMES[scheme].default_dtype
+    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+    fn, ops = _decode_forms(rng, w, None, dtype, act_quant_params(SCHEMES[scheme].act_key), m, k)
+    with _DecodeCount() as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 5
+    monkeypatch.setenv("HUMMING_JAX_DECODE", "0")
+    with _DecodeCount() as generic:
+        want = _run_on(GPU, fn, ops)
+    assert generic.count == 0, "HUMMING_JAX_DECODE=0 must leave the calls to the generic kernel"
+    _check_decode_forms(got, want, dtype, f"{scheme} M={m} E={e} N={n} K={kdim}", ops[5], 5)
+
+
+@requires_decode
+@pytest.mark.parametrize("cls", [IndexedExperts, GroupedExperts])
+@pytest.mark.parametrize("scheme", ["bf16", "fp16", "w4a16-int4-g128", "w8a8-fp8-block128", "w4a16-mxfp4",
+                                    "w4a16-nvfp4"])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_decode_layer_against_oracle_with_poisoned_out(rng, cls, scheme, m):
+    layer = random_layer(rng, m=m, e=16, h=256, i=128, k=4, scheme=scheme, bias=m == 3, e_global=20,
+                         pad_frac=0.1)
+    args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
+    f = jax.jit(lambda out, x, w, tw, ids: cls().apply(out, x, w, tw, ids))
+    with _DecodeCount() as launched:
+        got = jax.block_until_ready(f(jax.device_put(nan_out(layer.x.shape, layer.x.dtype), GPU), *args))
+    assert launched.count == 2, "both GEMMs of the layer should take the decode kernel"
+    quant = act_quant_params(layer.weights.act_key)
+    b13, b2 = (layer.weights.b13, layer.weights.b2) if m == 3 else (None, None)
+    want = moe_reference(layer.x, layer.w13, layer.w2, layer.topk_weights, layer.topk_ids,
+                         input_quant=InputQuant(*quant) if quant else None, b13=b13, b2=b2)
+    tol = TOL[jnp.dtype(layer.x.dtype)] + ({"fp8": 2.0**-4, "int8": 2.0**-7}[quant[0]] if quant else 0.0)
+    assert np.all(np.isfinite(_to_np(got))), "every row of out must be written"
+    err = relative_error(got, want)
+    assert err <= tol, f"{scheme} M={m}: relative error {err:.2e} > {tol:.1e}"
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w8a8-fp8-block128"])
+def test_decode_batched_layer_against_oracle(rng, scheme):
+    e, t, h, i = 8, 12, 256, 128
+    w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h),
+                                rng.standard_normal((e, h, i)) / np.sqrt(i), scheme)
+    dtype = SCHEMES[scheme].default_dtype
+    x = jnp.asarray(rng.standard_normal((e, t, h)), dtype)
+    counts = jnp.asarray([0, 12, 5, 99, -3, 1, 7, 12], jnp.int32)
+    f = jax.jit(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c))
+    with _DecodeCount() as launched:
+        got = jax.block_until_ready(f(*jax.device_put((nan_out(x.shape, x.dtype), x, w, counts), GPU)))
+    assert launched.count == 2
+    w13, w2 = w.dequantize()
+    quant = act_quant_params(w.act_key)
+    want = batched_reference(x, w13, w2, jnp.clip(counts, 0, t), input_quant=InputQuant(*quant) if quant else None)
+    tol = TOL[jnp.dtype(dtype)] + (2.0**-4 if quant else 0.0)
+    got = _to_np(got)
+    assert np.all(np.isfinite(got))
+    assert relative_error(got, want) <= tol
+    assert np.all(got[0] == 0.0) and np.all(got[4] == 0.0), "experts with no tokens give zeros"
+
+
+_DECODE_GRAPH_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import humming_jax as hj
+    from humming_jax.experts import GroupedExperts, IndexedExperts
+    assert hj.cuda_available(), hj._ffi.backend_report()
+    launches = getattr(ctypes.CDLL(hj._ffi.backend_report()["cuda"]), "HjDecodeLaunches")
+    launches.restype = ctypes.c_uint64
+    rng = np.random.default_rng(5)
+    e, h, i, k, m = 32, 512, 256, 4, 4
+    w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / 22, rng.standard_normal((e, h, i)) / 16,
+                                sys.argv[2])
+    results = []
+    for cls in (IndexedExperts, GroupedExperts):
+        f = jax.jit(lambda o, x, w, tw, ids, cls=cls: cls().apply(o, x, w, tw, ids), donate_argnums=0)
+        out = jnp.full((m, h), jnp.nan, jnp.bfloat16)
+        for step in range(6):  # replays with changing routing and inputs
+            x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+            ids = jnp.asarray(np.argsort(rng.random((m, e + 2)), axis=1)[:, :k].astype(np.int32))
+            tw = jnp.asarray(rng.random((m, k)).astype(np.float32))
+            out = f(out, x, w, tw, ids)
+            results.append(np.asarray(out.astype(jnp.float32)))
+    np.save(sys.argv[1], np.stack(results))
+    print("launches", launches())
+    """
+)
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128"])
+def test_decode_command_buffers_give_the_same_results(tmp_path, scheme):
+    """CUDA-graph capture and replay against plain execution, in fresh processes (the kernel's
+    first use, with its shared-memory attribute setup, happens under capture)."""
+    script = tmp_path / "decode_graph_run.py"
+    script.write_text(_DECODE_GRAPH_SCRIPT)
+    results, launches = {}, {}
+    for name, flags in {
+        "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+        "plain": "--xla_gpu_enable_command_buffer=",
+    }.items():
+        env = dict(os.environ, XLA_FLAGS=flags)
+        path = tmp_path / f"{name}.npy"
+        proc = subprocess.run([sys.executable, str(script), str(path), scheme], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[name] = np.load(path)
+        launches[name] = int(proc.stdout.split("launches")[-1])
+    assert launches["plain"] >= 24, launches  # two GEMMs per step, two classes
+    assert launches["graphs"] >= 4, launches
     assert np.all(np.isfinite(results["graphs"]))
     np.testing.assert_array_equal(results["graphs"], results["plain"])

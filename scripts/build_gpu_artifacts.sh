@@ -4,7 +4,7 @@
 # GPU machine's Python (3.12). Outputs land in .gpu/ (ignored by git; carried to the device).
 #   scripts/build_gpu_artifacts.sh [python-for-the-gpu-machine]
 # HUMMING_JAX_FAST_PATHS=1 builds the CUDA library with the sm_90a fast paths (CUTLASS prefill
-# grouped GEMM); their CUTLASS headers come from $HUMMING_JAX_CUTLASS_DIR, else from the
+# grouped GEMM, decode weight-streaming GEMM); the CUTLASS headers come from $HUMMING_JAX_CUTLASS_DIR, else from the
 # nvidia-cutlass wheel (installed in python3, or fetched here with pip download into build-gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."

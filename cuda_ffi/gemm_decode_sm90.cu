@@ -57,6 +57,7 @@ struct Plan {
   DecodeLaunch D;
   ActKind ak;
   Deq dq;
+  bool f32_scales;  // float32 and codes modes: the weight scales are float32
   dim3 grid;
   size_t smem;
 };
@@ -210,6 +211,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   if (n_slices > INT32_MAX) return decline(L, "N too large");
   out->ak = ak;
   out->dq = dq;
+  out->f32_scales = (dq == Deq::kF32 || dq == Deq::kCodes) && w.scale_type == ElemType::kF32;
   out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
@@ -239,12 +241,17 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   Plan pl;
   if (!plan(L, sms, &pl)) return Error::Success();
   const DecodeLaunch& D = pl.D;
+  bool ok = false;
   switch (L.p.w.type) {
-    case WeightType::kFloat: launch_family<WeightType::kFloat>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
-    case WeightType::kUInt4: launch_family<WeightType::kUInt4>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
-    case WeightType::kInt8: launch_family<WeightType::kInt8>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
-    case WeightType::kFp8E4M3: launch_family<WeightType::kFp8E4M3>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
-    case WeightType::kFp4E2M1: launch_family<WeightType::kFp4E2M1>(D, pl.ak, pl.dq, pl.grid, pl.smem, stream); break;
+    case WeightType::kFloat: ok = launch_family<WeightType::kFloat>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
+    case WeightType::kUInt4: ok = launch_family<WeightType::kUInt4>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
+    case WeightType::kInt8: ok = launch_family<WeightType::kInt8>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
+    case WeightType::kFp8E4M3: ok = launch_family<WeightType::kFp8E4M3>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
+    case WeightType::kFp4E2M1: ok = launch_family<WeightType::kFp4E2M1>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
+  }
+  if (!ok) {
+    decline(L, "no kernel variant for this weight, activation and scale combination");
+    return Error::Success();
   }
   *launched = true;
   g_launches.fetch_add(1, std::memory_order_relaxed);

@@ -242,9 +242,10 @@ __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel.
+// The kernel. SF: the weight scales are float32 (every 8-bit weight scheme), known at compile time
+// so that the float32 and codes modes read and convert them without a switch on the type.
 // ---------------------------------------------------------------------------------------------
-template <WeightType WT, ActKind AK, Deq DQ>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF>
 struct Kern {
   static constexpr bool kQ8 = AK == ActKind::kFp8 || AK == ActKind::kI8;
   static constexpr bool kF16 = AK != ActKind::kBF16;  // MMA operand type: f16 (also for 8-bit codes)
@@ -254,7 +255,15 @@ struct Kern {
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
   static constexpr int kNs = DQ == Deq::kF32 ? 2 : 1;                            // scale slots per chunk
   static constexpr bool kScaled = WT != WeightType::kFloat;
-  static constexpr int kSB = DQ == Deq::kPackedU4 ? 2 : (DQ == Deq::kPackedFp4 ? 1 : 0);  // scale bytes
+  static constexpr int kSB = DQ == Deq::kPackedU4 ? 2 : (DQ == Deq::kPackedFp4 ? 1 : (SF ? 4 : 0));  // scale bytes
+  static_assert(!SF || DQ == Deq::kF32 || DQ == Deq::kCodes, "f32 scales: float32 and codes modes only");
+
+  static __device__ __forceinline__ float scale_value(const DecodeLaunch& D, uint32_t raw) {
+    if constexpr (SF)
+      return __uint_as_float(raw);
+    else
+      return scale_to_float(D.g.p.w.scale_type, raw);
+  }
   static_assert(!(kQ8 && DQ != Deq::kCodes), "8-bit activations use codes");
   static_assert(!(WT == WeightType::kFloat && DQ != Deq::kRaw), "16-bit weights are used as they are");
 
@@ -320,51 +329,57 @@ struct Kern {
     const int c = it * D.wk + wk;
     const int t = lane & 3;
     const WeightView& w = D.g.p.w;
+    // Indices are clamped into range instead of predicated: a clamped scale only ever meets
+    // zero-filled activations (k >= K), a row past N (srow 0) or a token column past nvalid,
+    // none of which is stored. Fields a variant does not use are set once, for the ring's copies.
+    if constexpr (!kScaled) {
 #pragma unroll
-    for (int i = 0; i < kNT; ++i)
+      for (int i = 0; i < kNT; ++i)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int q = 0; q < kNs; ++q) s.w[i][h][q] = 0u;
-    s.z = 0x08080808u;
+          for (int q = 0; q < kNs; ++q) s.w[i][h][q] = 0u;
+    }
+    if constexpr (WT != WeightType::kUInt4) s.z = 0x08080808u;
+    if constexpr (!kQ8) {
 #pragma unroll
-    for (int j = 0; j < TOKT; ++j) s.a[j][0] = s.a[j][1] = 0.0f;
+      for (int j = 0; j < TOKT; ++j) s.a[j][0] = s.a[j][1] = 0.0f;
+    }
     if constexpr (kScaled) {
-      const int k0 = c * kKw + t * kEpc;
-      const bool kok = c < D.nc && k0 < D.K;
-      const uint32_t sk0 = kok ? D.div_gk.div(static_cast<uint32_t>(k0)) : 0u;
+      const uint32_t kmax = static_cast<uint32_t>(D.K - 1);
+      const uint32_t k0 = min(static_cast<uint32_t>(c * kKw + t * kEpc), kmax);
+      const uint32_t sk0 = D.div_gk.div(k0);
       uint32_t sk1 = sk0;
-      if constexpr (kNs == 2) {
-        if (D.nslot == 2 && kok) sk1 = D.div_gk.div(static_cast<uint32_t>(k0 + kEpc / 2));
-      }
+      if constexpr (kNs == 2) sk1 = D.div_gk.div(min(k0 + (D.nslot == 2 ? kEpc / 2 : 0), kmax));
 #pragma unroll
       for (int i = 0; i < kNT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const bool ok = kok && ((it_.row_ok >> (i * 2 + h)) & 1u);
           const uint32_t base = it_.srow[i][h];
-          s.w[i][h][0] = ok ? load_scale_raw<kSB>(w.scale_type, w.scale, base + sk0) : 0u;
-          if constexpr (kNs == 2)
-            s.w[i][h][1] =
-                ok ? (sk1 == sk0 ? s.w[i][h][0] : load_scale_raw<kSB>(w.scale_type, w.scale, base + sk1)) : 0u;
-          if constexpr (WT == WeightType::kUInt4) {
-            if (ok && w.zero) {
-              const int sh = 8 * (i * 2 + h);
-              s.z = (s.z & ~(0xffu << sh)) | (static_cast<uint32_t>(__ldg(w.zero + base + sk0)) << sh);
-            }
-          }
+          s.w[i][h][0] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk0);
+          if constexpr (kNs == 2) s.w[i][h][1] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk1);
         }
+      if constexpr (WT == WeightType::kUInt4) {
+        s.z = 0x08080808u;
+        if (w.zero) {
+          uint32_t z = 0;
+#pragma unroll
+          for (int q = 0; q < kNT * 2; ++q)
+            z |= static_cast<uint32_t>(__ldg(w.zero + it_.srow[q >> 1][q & 1] + sk0)) << (8 * q);
+          s.z = z;
+        }
+      }
     }
     if constexpr (kQ8) {
       const ActView& a = D.g.p.a;
-      const uint32_t ak = c < D.nc ? D.div_agk.div(static_cast<uint32_t>(c * kKw)) : 0u;
+      const uint32_t ak = D.div_agk.div(min(static_cast<uint32_t>(c * kKw), static_cast<uint32_t>(D.K - 1)));
       const int64_t cols = static_cast<int64_t>(D.g.a_scale_cols);
 #pragma unroll
       for (int j = 0; j < TOKT; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int tok = 8 * j + 2 * t + e;
-          s.a[j][e] = (c < D.nc && tok < it_.nvalid) ? __ldg(a.scale + s_arow[tok] * cols + ak) : 0.0f;
+          const int tok = min(8 * j + 2 * t + e, it_.nvalid - 1);
+          s.a[j][e] = __ldg(a.scale + s_arow[tok] * cols + ak);
         }
     }
   }
@@ -405,7 +420,7 @@ struct Kern {
       return hmul2<false>(e2m1_bits<P, 6>(word), sraw);
     } else {  // kF32
       const uint32_t cp = code_pair<P>(word, z);
-      const float sc = scale_to_float(D.g.p.w.scale_type, sraw);
+      const float sc = scale_value(D, sraw);
       float lo = f16_lo(cp) * sc, hi = f16_hi(cp) * sc;
       if (D.g.p.w.scale2) {
         lo = lo * s2;
@@ -642,7 +657,7 @@ struct Kern {
           for (int i = 0; i < kNT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              float ws = scale_to_float(D.g.p.w.scale_type, s0.w[i][h][0]);
+              float ws = scale_value(D, s0.w[i][h][0]);
               if (D.g.p.w.scale2) ws = ws * s2;
 #pragma unroll
               for (int j = 0; j < TOKT; ++j)
@@ -717,10 +732,10 @@ __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int
   }
 }
 
-template <WeightType WT, ActKind AK, Deq DQ>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  using K_ = Kern<WT, AK, DQ>;
+  using K_ = Kern<WT, AK, DQ, SF>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
   __shared__ int64_t s_abyte[kMaxRows];  // byte offset of each row of a
@@ -888,24 +903,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
 }
 
 // Per weight family (gemm_decode_sm90_<family>.cu): launches the kernel variant for the
-// activation kind and dequantization mode.
+// activation kind and dequantization mode; false when the family has no such variant.
 template <WeightType WT>
-void launch_family(const DecodeLaunch& D, ActKind ak, Deq dq, dim3 grid, size_t smem, cudaStream_t stream);
+bool launch_family(const DecodeLaunch& D, ActKind ak, Deq dq, bool f32_scales, dim3 grid, size_t smem,
+                   cudaStream_t stream);
 template <>
-void launch_family<WeightType::kFloat>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+bool launch_family<WeightType::kFloat>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 template <>
-void launch_family<WeightType::kUInt4>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+bool launch_family<WeightType::kUInt4>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 template <>
-void launch_family<WeightType::kInt8>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+bool launch_family<WeightType::kInt8>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 template <>
-void launch_family<WeightType::kFp8E4M3>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+bool launch_family<WeightType::kFp8E4M3>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 template <>
-void launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, dim3, size_t, cudaStream_t);
+bool launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 
 // Raises the kernel's dynamic shared-memory limit once per device (a launch above 48 KB needs it).
-template <WeightType WT, ActKind AK, Deq DQ>
-void launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ>;
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false>
+bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
+  auto kernel = decode_kernel<WT, AK, DQ, SF>;
   static unsigned configured = 0;  // bit d: device d configured (a benign race: the calls are idempotent)
   int dev = 0;
   cudaGetDevice(&dev);
@@ -916,6 +932,7 @@ void launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t 
     configured |= bit;
   }
   kernel<<<grid, kThreads, smem, stream>>>(D);
+  return true;
 }
 
 }  // namespace decode

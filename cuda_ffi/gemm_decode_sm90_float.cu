@@ -5,12 +5,13 @@ namespace hj {
 namespace decode {
 
 template <>
-void launch_family<WeightType::kFloat>(const DecodeLaunch& D, ActKind ak, Deq, dim3 grid, size_t smem,
+bool launch_family<WeightType::kFloat>(const DecodeLaunch& D, ActKind ak, Deq, bool, dim3 grid, size_t smem,
                                        cudaStream_t stream) {
   if (ak == ActKind::kF16)
-    launch_variant<WeightType::kFloat, ActKind::kF16, Deq::kRaw>(D, grid, smem, stream);
+    return launch_variant<WeightType::kFloat, ActKind::kF16, Deq::kRaw>(D, grid, smem, stream);
   else
-    launch_variant<WeightType::kFloat, ActKind::kBF16, Deq::kRaw>(D, grid, smem, stream);
+    return launch_variant<WeightType::kFloat, ActKind::kBF16, Deq::kRaw>(D, grid, smem, stream);
+  return false;
 }
 
 }  // namespace decode

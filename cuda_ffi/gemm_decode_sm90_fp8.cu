@@ -5,16 +5,25 @@ namespace hj {
 namespace decode {
 
 template <>
-void launch_family<WeightType::kFp8E4M3>(const DecodeLaunch& D, ActKind ak, Deq dq, dim3 grid, size_t smem,
-                                       cudaStream_t stream) {
-  if (ak == ActKind::kBF16 && dq == Deq::kF32)
-    launch_variant<WeightType::kFp8E4M3, ActKind::kBF16, Deq::kF32>(D, grid, smem, stream);
-  else if (ak == ActKind::kF16 && dq == Deq::kF32)
-    launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
-  else if (ak == ActKind::kFp8 && dq == Deq::kCodes)
-    launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes>(D, grid, smem, stream);
-  else if (ak == ActKind::kI8 && dq == Deq::kCodes)
-    launch_variant<WeightType::kFp8E4M3, ActKind::kI8, Deq::kCodes>(D, grid, smem, stream);
+bool launch_family<WeightType::kFp8E4M3>(const DecodeLaunch& D, ActKind ak, Deq dq, bool f32_scales, dim3 grid,
+                                       size_t smem, cudaStream_t stream) {
+  if (ak == ActKind::kBF16 && dq == Deq::kF32 && f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kBF16, Deq::kF32, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kBF16 && dq == Deq::kF32 && !f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kBF16, Deq::kF32>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kF32 && f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kF32 && !f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
+  else if (ak == ActKind::kFp8 && dq == Deq::kCodes && f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kFp8 && dq == Deq::kCodes && !f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes>(D, grid, smem, stream);
+  else if (ak == ActKind::kI8 && dq == Deq::kCodes && f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kI8, Deq::kCodes, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kI8 && dq == Deq::kCodes && !f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kI8, Deq::kCodes>(D, grid, smem, stream);
+  return false;
 }
 
 }  // namespace decode

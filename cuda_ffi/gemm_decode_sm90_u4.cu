@@ -1,24 +1,31 @@
-// Decode GEMM kernels for 4-bit integer weights (GPTQ/AWQ, with or without zero points).
+// Decode GEMM kernels for 4-bit integer weights (GPTQ/AWQ, with or without zero points). With 8-bit
+// activations (no scheme pairs them; the contract allows it) the scale type is read at run time:
+// the compile-time float32 variant would spill.
 #include "gemm_decode_sm90.cuh"
 
 namespace hj {
 namespace decode {
 
 template <>
-void launch_family<WeightType::kUInt4>(const DecodeLaunch& D, ActKind ak, Deq dq, dim3 grid, size_t smem,
-                                       cudaStream_t stream) {
+bool launch_family<WeightType::kUInt4>(const DecodeLaunch& D, ActKind ak, Deq dq, bool f32_scales, dim3 grid,
+                                       size_t smem, cudaStream_t stream) {
   if (ak == ActKind::kBF16 && dq == Deq::kPackedU4)
-    launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4>(D, grid, smem, stream);
+    return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4>(D, grid, smem, stream);
   else if (ak == ActKind::kF16 && dq == Deq::kPackedU4)
-    launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4>(D, grid, smem, stream);
-  else if (ak == ActKind::kBF16 && dq == Deq::kF32)
-    launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kF32>(D, grid, smem, stream);
-  else if (ak == ActKind::kF16 && dq == Deq::kF32)
-    launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
+    return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4>(D, grid, smem, stream);
+  else if (ak == ActKind::kBF16 && dq == Deq::kF32 && f32_scales)
+    return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kF32, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kBF16 && dq == Deq::kF32 && !f32_scales)
+    return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kF32>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kF32 && f32_scales)
+    return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kF32, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kF32 && !f32_scales)
+    return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
   else if (ak == ActKind::kFp8 && dq == Deq::kCodes)
-    launch_variant<WeightType::kUInt4, ActKind::kFp8, Deq::kCodes>(D, grid, smem, stream);
+    return launch_variant<WeightType::kUInt4, ActKind::kFp8, Deq::kCodes>(D, grid, smem, stream);
   else if (ak == ActKind::kI8 && dq == Deq::kCodes)
-    launch_variant<WeightType::kUInt4, ActKind::kI8, Deq::kCodes>(D, grid, smem, stream);
+    return launch_variant<WeightType::kUInt4, ActKind::kI8, Deq::kCodes>(D, grid, smem, stream);
+  return false;
 }
 
 }  // namespace decode

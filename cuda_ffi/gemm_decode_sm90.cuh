@@ -452,7 +452,9 @@ struct Kern {
   // MMAs of one chunk column: the lane's weight words w[i][h][0..3] (tile i, row g + 8h) against
   // the activations of token columns g (+ 8) at the same k positions.
   // ------------------------------------------------------------------------------------------
-  template <int TOKT>
+  // kTwo (packed e2m1 only): some lane of the warp has a scale above 2^1 this iteration, which
+  // takes the second factor of fp4_factors.
+  template <int TOKT, bool kTwo = false>
   static __device__ __forceinline__ void chunk_mma(const DecodeLaunch& D, float (&acc)[kNT][TOKT][4],
                                                    const uint32_t (&w)[kNT][2][4], const uint8_t* arow0,
                                                    int g, int nvalid, const Scales<TOKT>& s, float s2) {
@@ -576,12 +578,11 @@ struct Kern {
             pr[h][1] = deq_pair<1>(D, w[i][h][wd], sr, z, s2);
             pr[h][2] = deq_pair<2>(D, w[i][h][wd], sr, z, s2);
             pr[h][3] = deq_pair<3>(D, w[i][h][wd], sr, z, s2);
-            if constexpr (DQ == Deq::kPackedFp4) {
-              if (__any_sync(0xffffffffu, two)) {  // scales above 2^1: practically never
+            if constexpr (DQ == Deq::kPackedFp4 && kTwo) {
 #pragma unroll
-                for (int q = 0; q < 4; ++q) pr[h][q] = hmul2<false>(pr[h][q], f2);
-              }
+              for (int q = 0; q < 4; ++q) pr[h][q] = hmul2<false>(pr[h][q], f2);  // 1.0 where not needed
             }
+            (void)two;
           }
           const uint32_t a0[4] = {pr[0][0], pr[1][0], pr[0][1], pr[1][1]};
           const uint32_t a1[4] = {pr[0][2], pr[1][2], pr[0][3], pr[1][3]};
@@ -664,6 +665,18 @@ struct Kern {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) acc[i][j][2 * h + e] += part[i][j][2 * h + e] * s0.a[j][e] * ws;
             }
+        } else if constexpr (DQ == Deq::kPackedFp4) {
+          // One vote per iteration: e8m0 scales above 128 (weights beyond +-12) practically never
+          // occur, and the common variant then carries no second multiply and no branch.
+          bool two = false;
+#pragma unroll
+          for (int i = 0; i < kNT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) two |= s0.w[i][h][0] > 128u && s0.w[i][h][0] != 255u;
+          if (__any_sync(0xffffffffu, two))
+            chunk_mma<TOKT, true>(D, acc, w, arow0, g, item.nvalid, s0, s2);
+          else
+            chunk_mma<TOKT, false>(D, acc, w, arow0, g, item.nvalid, s0, s2);
         } else {
           chunk_mma<TOKT>(D, acc, w, arow0, g, item.nvalid, s0, s2);
         }

@@ -2,7 +2,7 @@
 // at most 16 rows per work item), all three row layouts (indexed gather, grouped contiguous,
 // batched masked) and every weight type of the contract. Host entry: launch_decode (gemm_decode_sm90.h).
 //
-// Why it is shaped this way (benchmarks/NOTES.md, "decode v2"): at decode sizes the GEMM is a pass
+// Why it is shaped this way (benchmarks/NOTES.md, "v2-decode"): at decode sizes the GEMM is a pass
 // over the touched expert weights, so the kernel is built to keep HBM busy and the SM's issue slots
 // free:
 //  * Operands swapped: 16 weight rows are the A operand of mma.sync m16n8k16 and up to 8 (or 16)
@@ -22,8 +22,11 @@
 //    and each chunk column of K (one scale group of weights and activations) is scaled by
 //    a_scale * w_scale into the float32 accumulator, the generic kernel's method.
 //  * Enough CTAs for all SMs: a CTA owns 32 * (8 / wk) weight rows of one work item and splits K
-//    over wk warp groups (wk = 1..8, chosen on the host from the expected number of items); the
-//    wk partial sums are added in a fixed order through shared memory: deterministic, no atomics.
+//    over wk warp groups (wk = 1..8, chosen on the host from the expected number of items and the
+//    shared memory left for two CTAs per SM); the wk partial sums are added in a fixed order
+//    through shared memory: deterministic, no atomics.
+//  * The bit-level lane mapping and conversions are modelled on the host and checked against the
+//    contract by gemm_decode_sm90_model.py; keep the two in step.
 #pragma once
 
 #include <cuda_bf16.h>

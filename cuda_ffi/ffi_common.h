@@ -238,6 +238,12 @@ struct GemmAttrs {
   int64_t act_group_k;
 };
 
+// The GEMM attributes in the order every gemm_* binding declares them (HJ_GEMM_ATTRS).
+inline GemmAttrs gemm_attrs(int64_t wt, int64_t gn, int64_t gk, int64_t hz, int64_t hs2, int64_t hb,
+                            int64_t agk) {
+  return GemmAttrs{WeightAttrs{wt, gn, gk, hz, hs2, hb}, agk};
+}
+
 inline Error parse_gemm(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
                         const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
                         const AnyBuffer& scale2, const AnyBuffer& bias, const GemmAttrs& at,

@@ -42,10 +42,6 @@ void zero_rows(const GemmProblem& p, int64_t first, int64_t last) {
     for (int64_t n = 0; n < p.N; ++n) store_elem(p.c_type, p.c, r * p.N + n, 0.0f);
 }
 
-GemmAttrs gemm_attrs(int64_t wt, int64_t gn, int64_t gk, int64_t hz, int64_t hs2, int64_t hb, int64_t agk) {
-  return GemmAttrs{WeightAttrs{wt, gn, gk, hz, hs2, hb}, agk};
-}
-
 Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                      AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
                      AnyBuffer ntpp, Result<AnyBuffer> c, int64_t weight_type, int64_t group_n,

@@ -87,10 +87,6 @@ Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_til
   return launch_status(call, "gemm_kernel");
 }
 
-GemmAttrs gemm_attrs(int64_t wt, int64_t gn, int64_t gk, int64_t hz, int64_t hs2, int64_t hb, int64_t agk) {
-  return GemmAttrs{WeightAttrs{wt, gn, gk, hz, hs2, hb}, agk};
-}
-
 Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
                       AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids,
                       AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> c, int64_t weight_type,

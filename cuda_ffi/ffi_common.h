@@ -335,6 +335,17 @@ inline Error check_grouped_workspace(const std::string& call, const AnyBuffer& w
                            span_of("bias", bias), span_of("expert_first_token_offset", offsets)});
 }
 
+// Everything a gemm_grouped handler checks before it runs, on either platform.
+inline Error parse_gemm_grouped(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
+                                const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
+                                const AnyBuffer& scale2, const AnyBuffer& bias, const AnyBuffer& offsets,
+                                const GemmAttrs& at, const AnyBuffer& c, const AnyBuffer& workspace,
+                                GemmProblem* p) {
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias, at, c, p));
+  HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, c, offsets, p->w.E));
+  return check_grouped_workspace(call, workspace, c, a, a_scale, qweight, scale, zero, scale2, bias, offsets);
+}
+
 inline Error check_batched_layout(const std::string& call, const AnyBuffer& a, const AnyBuffer& c,
                                   const AnyBuffer& counts, int64_t num_experts) {
   if (rank(a) != 3) return invalid(call, "a must be [E, T, K]");

@@ -81,14 +81,11 @@ Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
                      int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
   const std::string call = "gemm_grouped";
   GemmProblem p;
-  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
-                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
-                                           act_group_k),
-                                *c, &p));
-  HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, *c, offsets, p.w.E));
   // The CPU needs no scratch: the workspace is validated and left untouched.
-  HJ_RETURN_IF_ERROR(
-      check_grouped_workspace(call, *workspace, *c, a, a_scale, qweight, scale, zero, scale2, bias, offsets));
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets,
+                                        gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                   has_bias, act_group_k),
+                                        *c, *workspace, &p));
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
   const int64_t R = dim(a, 0);
   std::vector<RowRun> runs;

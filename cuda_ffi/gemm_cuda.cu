@@ -124,13 +124,10 @@ Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
                       int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
   const std::string call = "gemm_grouped";
   GemmProblem p;
-  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
-                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
-                                           act_group_k),
-                                *c, &p));
-  HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, *c, offsets, p.w.E));
-  HJ_RETURN_IF_ERROR(
-      check_grouped_workspace(call, *workspace, *c, a, a_scale, qweight, scale, zero, scale2, bias, offsets));
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets,
+                                        gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                   has_bias, act_group_k),
+                                        *c, *workspace, &p));
   const int64_t R = dim(a, 0);
   if (R > INT32_MAX) return invalid(call, "too many rows");
 #if defined(HUMMING_JAX_FAST_PATHS)

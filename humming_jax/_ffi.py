@@ -111,6 +111,19 @@ def backend_report() -> dict[str, str | None]:
     }
 
 
+def launch_counter(name: str) -> Any:
+    """A uint64 launch counter exported by the CUDA library (e.g. ``HjDecodeLaunches``), as a
+    callable, or None when the CUDA handlers or that symbol are absent. Tests and benchmarks use
+    it to prove which kernel ran."""
+    if _state["cuda"] is None:
+        return None
+    fn = getattr(ctypes.CDLL(str(_state["cuda"])), name, None)
+    if fn is not None:
+        fn.restype = ctypes.c_uint64
+        fn.argtypes = []
+    return fn
+
+
 def call(
     name: str,
     results: Sequence[jax.ShapeDtypeStruct] | jax.ShapeDtypeStruct,

@@ -18,7 +18,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import humming_jax as hj  # noqa: E402
@@ -30,6 +29,7 @@ from humming_jax.ops import finalize as fin_ops  # noqa: E402
 from humming_jax.ops import gemm as gemm_ops  # noqa: E402
 from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
+from humming_jax.testing import random_packed_weight  # noqa: E402
 from humming_jax.weights import PackedWeight  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -86,18 +86,8 @@ def gemm_all_forms(w, bias, dtype, quant, m=13, topk=2, t=5):
     run(batched, xb, counts, w, bias, jnp.zeros((e, t, n), dtype))
 
 
-def custom_weight(wtype, e, n, k, gk, *, zero=False, scale_dtype=np.float32, scale2=False):
-    cols = -(-k // gk)
-    scale = jnp.asarray((rng.random((e, n, cols)) * 0.05 + 0.01).astype(scale_dtype))
-    if wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
-        data = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)).astype(np.uint8))
-    elif wtype == WeightType.INT8:
-        data = jnp.asarray(rng.integers(-127, 128, (e, n, k)).astype(np.int8))
-    else:
-        data = jnp.asarray(rng.standard_normal((e, n, k)).astype(ml_dtypes.float8_e4m3fn))
-    z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
-    s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
-    return PackedWeight(data, scale, z, s2, wtype, k, 1, gk)
+def custom_weight(wtype, e, n, k, gk, **kw):
+    return random_packed_weight(rng, wtype, e, n, k, gk, **kw)
 
 
 def main() -> None:

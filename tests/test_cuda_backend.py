@@ -31,6 +31,7 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
+from humming_jax.testing import random_packed_weight
 from humming_jax.weights import PackedWeight
 
 _STAND_IN = os.environ.get("HUMMING_JAX_TEST_CUDA_AS_CPU") == "1"
@@ -129,20 +130,6 @@ def _packed(rng, scheme, e, n, k, dtype):
     return SCHEMES[scheme].quantize(w, dtype)
 
 
-def _custom_packed(rng, wtype, e, n, k, group_k, *, zero=False, scale_dtype=np.float32, scale2=False):
-    """Weights with arbitrary group sizes (including groups narrower than 8 columns)."""
-    gk = group_k
-    cols = -(-k // gk)
-    scale = jnp.asarray((rng.random((e, n, cols)) * 0.05 + 0.01).astype(scale_dtype))
-    if wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
-        data = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)).astype(np.uint8))
-    elif wtype == WeightType.INT8:
-        data = jnp.asarray(rng.integers(-127, 128, (e, n, k)).astype(np.int8))
-    else:
-        data = jnp.asarray(rng.standard_normal((e, n, k)).astype(ml_dtypes.float8_e4m3fn))
-    z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
-    s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
-    return PackedWeight(data, scale, z, s2, wtype, k, 1, gk)
 
 
 GEMM_SCHEMES = sorted(SCHEMES)
@@ -224,7 +211,7 @@ def test_gemm_every_scheme_matches_cpu(rng, scheme):
 )
 def test_gemm_odd_shapes_and_groups_match_cpu(rng, wtype, k, group_k, zero, scale_dtype, scale2, dtype, quant):
     e, n = 4, 72
-    w = _custom_packed(rng, wtype, e, n, k, group_k, zero=zero, scale_dtype=scale_dtype, scale2=scale2)
+    w = random_packed_weight(rng, wtype, e, n, k, group_k, zero=zero, scale_dtype=scale_dtype, scale2=scale2)
     for name, c, g in _gemm_forms(rng, w, None, dtype, quant, m=11, topk=2):
         assert_close_16(g, c, dtype, f"{wtype.name} K={k} g={group_k} {name}")
 
@@ -239,7 +226,7 @@ def test_gemm_float_weights_odd_k(rng):
 @pytest.mark.skipif(_STAND_IN, reason="a limit of the CUDA kernel")
 def test_gemm_rejects_8bit_scale_groups_that_split_an_mma_step(rng):
     e, n, k = 2, 16, 64
-    w = _custom_packed(rng, WeightType.FP8_E4M3, e, n, k, 8)
+    w = random_packed_weight(rng, WeightType.FP8_E4M3, e, n, k, 8)
     x = jax.device_put(jnp.asarray(rng.standard_normal((e, 4, k)), jnp.bfloat16), GPU)
     counts = jax.device_put(jnp.full((e,), 4, jnp.int32), GPU)
 

@@ -9,7 +9,6 @@ built without it. Sections: prefill (CUTLASS grouped GEMM, cuda_ffi/gemm_prefill
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
-from humming_jax.weights import PackedWeight
+from humming_jax.testing import random_packed_weight
 
 CPU = jax.devices("cpu")[0]
 GPU = jax.devices("cuda")[0] if hj.cuda_available() else None
@@ -42,16 +41,19 @@ pytestmark = [
 ]
 
 
-def _cuda_symbol(name: str):
-    """A C function exported by the loaded CUDA library, or None."""
-    path = _ffi.backend_report()["cuda"]
-    if path is None:
-        return None
-    fn = getattr(ctypes.CDLL(path), name, None)
-    if fn is not None:
-        fn.restype = ctypes.c_uint64
-        fn.argtypes = []
-    return fn
+class _LaunchCount:
+    """Counts the launches a fast-path counter records inside the block (host-side launches)."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __enter__(self):
+        self.start = self.counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.count = self.counter() - self.start
+        return False
 
 
 def _to_np(x) -> np.ndarray:
@@ -74,7 +76,7 @@ def _assert_close(got, want, dtype, what, tol=None):
 # 16-bit weights or w8a8-fp8-block128, K and N multiples of 8 (128 for fp8), and at least
 # kMinRowsPerExpert = 64 rows per local expert on average; HUMMING_JAX_PREFILL=0 turns it off.
 # ================================================================================================
-_PREFILL_LAUNCHES = _cuda_symbol("HjPrefillLaunches") if GPU is not None else None
+_PREFILL_LAUNCHES = _ffi.launch_counter("HjPrefillLaunches") if GPU is not None else None
 _SM90 = GPU is not None and str(getattr(GPU, "compute_capability", "")) == "9.0"
 
 requires_prefill = pytest.mark.skipif(
@@ -82,17 +84,6 @@ requires_prefill = pytest.mark.skipif(
     reason="prefill path absent: library built without HUMMING_JAX_FAST_PATHS, or not an sm_90 device",
 )
 
-
-class _Launches:
-    """Counts prefill GEMM launches made inside the block (host-side launches)."""
-
-    def __enter__(self):
-        self.start = _PREFILL_LAUNCHES()
-        return self
-
-    def __exit__(self, *exc):
-        self.count = _PREFILL_LAUNCHES() - self.start
-        return False
 
 
 def _routing_ids(rng, m, k, e, kind):
@@ -175,7 +166,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind", PREFILL_CASES)
 def test_prefill_grouped_gemm_matches_cpu(rng, scheme, m, k, e, n, kdim, kind):
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=kind == "uniform")
-    with _Launches() as launched:
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         got = _run_gemm(GPU, p)
     assert launched.count == 1, "the prefill kernel did not run"
     want = _run_gemm(CPU, p, poison=False)
@@ -200,11 +191,11 @@ def test_prefill_grouped_gemm_matches_cpu(rng, scheme, m, k, e, n, kdim, kind):
 )
 def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme, m, k, e, n, kdim):
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, "uniform")
-    with _Launches() as launched:
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         got = _run_gemm(GPU, p)
     assert launched.count == 1
     monkeypatch.setenv("HUMMING_JAX_PREFILL", "0")
-    with _Launches() as generic:
+    with _LaunchCount(_PREFILL_LAUNCHES) as generic:
         want = _run_gemm(GPU, p, poison=False)
     assert generic.count == 0, "HUMMING_JAX_PREFILL=0 must leave the call to the generic kernel"
     _assert_close(got, want, p["dtype"], f"{scheme} M={m} E={e} N={n} K={kdim}")
@@ -213,7 +204,7 @@ def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme
 @requires_prefill
 def test_prefill_small_experts_keep_the_generic_kernel(rng):
     p = _gemm_inputs(rng, "bf16", 64, 2, 8, 256, 256, "uniform")  # 16 rows per expert
-    with _Launches() as launched:
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         _run_gemm(GPU, p, poison=False)
     assert launched.count == 0
 
@@ -248,7 +239,7 @@ def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_glo
                          pad_frac=0.05 if e_global else 0.0)
     args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
     f = jax.jit(lambda out, x, w, tw, ids: GroupedExperts().apply(out, x, w, tw, ids))
-    with _Launches() as launched:
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         got = f(jax.device_put(nan_out(layer.x.shape, layer.x.dtype), GPU), *args)
         got = jax.block_until_ready(got)
     assert launched.count == 2, "both GEMMs of the layer should take the prefill kernel"
@@ -264,13 +255,12 @@ def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_glo
 
 _PREFILL_GRAPH_SCRIPT = textwrap.dedent(
     """
-    import ctypes, sys
+    import sys
     import jax, jax.numpy as jnp, numpy as np
     import humming_jax as hj
     from humming_jax.experts import GroupedExperts
     assert hj.cuda_available(), hj._ffi.backend_report()
-    launches = getattr(ctypes.CDLL(hj._ffi.backend_report()["cuda"]), "HjPrefillLaunches")
-    launches.restype = ctypes.c_uint64
+    launches = hj._ffi.launch_counter("HjPrefillLaunches")
     rng = np.random.default_rng(11)
     e, h, i, k, m = 8, 512, 256, 2, 1024
     w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / 22, rng.standard_normal((e, h, i)) / 16,
@@ -322,24 +312,13 @@ def test_prefill_command_buffers_give_the_same_results(tmp_path, scheme):
 # lane chunks (8-bit activations: scale groups of whole 64-k / 128-k chunk columns, so
 # w4a8-mxfp4-fp8 stays on the generic kernel). HUMMING_JAX_DECODE=0 turns it off.
 # ================================================================================================
-_DECODE_LAUNCHES = _cuda_symbol("HjDecodeLaunches") if GPU is not None else None
+_DECODE_LAUNCHES = _ffi.launch_counter("HjDecodeLaunches") if GPU is not None else None
 
 requires_decode = pytest.mark.skipif(
     _DECODE_LAUNCHES is None or not _SM90,
     reason="decode path absent: library built without HUMMING_JAX_FAST_PATHS, or not an sm_90 device",
 )
 
-
-class _DecodeCount:
-    """Counts decode GEMM launches made inside the block (host-side launches)."""
-
-    def __enter__(self):
-        self.start = _DECODE_LAUNCHES()
-        return self
-
-    def __exit__(self, *exc):
-        self.count = _DECODE_LAUNCHES() - self.start
-        return False
 
 
 # M tokens, top-k, local experts, N, K: E up to 128, k up to 8, odd and even N (not multiples of
@@ -437,32 +416,16 @@ def test_decode_every_scheme_and_form_matches_cpu(rng, scheme, dtype, shape):
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1) if m == 3 else None
     quant = act_quant_params(SCHEMES[scheme].act_key)
     fn, ops = _decode_forms(rng, w, bias, dtype, quant, m, k)
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = _run_on(GPU, fn, ops)
     assert launched.count == 5, f"expected the five GEMM calls on the decode kernel, got {launched.count}"
     want = _run_on(CPU, fn, ops)
     _check_decode_forms(got, want, dtype, f"{scheme}/{jnp.dtype(dtype).name} M={m}", ops[5], 5)
 
 
-def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, *, zero=False, scale2=False, scale_values=None):
+def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
     """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
-    cols = -(-kdim // group_k)
-    if scale_values is not None:
-        scale = jnp.asarray(rng.choice(np.asarray(scale_values), (e, n, cols)))
-    else:
-        scale = jnp.asarray((rng.random((e, n, cols)) * 0.05 + 0.01).astype(scale_dtype))
-    if wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
-        data = jnp.asarray(rng.integers(0, 256, (e, n, kdim // 2)).astype(np.uint8))
-    elif wtype == WeightType.INT8:
-        data = jnp.asarray(rng.integers(-127, 128, (e, n, kdim)).astype(np.int8))
-    elif wtype == WeightType.FP8_E4M3:
-        data = jnp.asarray((rng.standard_normal((e, n, kdim)) * 2).astype(ml_dtypes.float8_e4m3fn))
-    else:
-        data = jnp.asarray(rng.standard_normal((e, n, kdim)), scale_dtype)
-        return PackedWeight(data, wtype=WeightType.FLOAT, k=kdim)
-    z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
-    s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
-    return PackedWeight(data, scale, z, s2, wtype, kdim, 1, group_k)
+    return random_packed_weight(rng, wtype, e, n, kdim, group_k, scale_dtype=scale_dtype, fp8_std=2.0, **kw)
 
 
 @requires_decode
@@ -492,7 +455,7 @@ def test_decode_scale_types_groups_and_partial_chunks_match_cpu(rng, wtype, kdim
     e, n, m, k = 6, 67, 3, 2
     w = _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, zero=zero, scale2=scale2)
     fn, ops = _decode_forms(rng, w, None, dtype, quant, m, k, t=9)
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = _run_on(GPU, fn, ops)
     assert launched.count == 5
     want = _run_on(CPU, fn, ops)
@@ -507,7 +470,7 @@ def test_decode_mxfp4_extreme_scales_match_cpu_per_row(rng):
     w = _custom_weight(rng, WeightType.FP4_E2M1, e, n, kdim, 32, np.uint8,
                        scale_values=np.array([0, 1, 100, 127, 128, 129, 140, 160], np.uint8))
     fn, ops = _decode_forms(rng, w, None, jnp.bfloat16, None, m, k, t=4)
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = _run_on(GPU, fn, ops)
     assert launched.count == 5
     want = _run_on(CPU, fn, ops)
@@ -533,7 +496,7 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
     else:
         w = _decode_weights(rng, scheme, dtype, 4, 40, kdim)
     fn, ops = _decode_forms(rng, w, None, dtype, act_quant_params(SCHEMES[scheme].act_key), 2, 2, t=3)
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = _run_on(GPU, fn, ops)
     assert launched.count == 0, what
     _check_decode_forms(got, _run_on(CPU, fn, ops), dtype, what, ops[5], 3)
@@ -573,11 +536,11 @@ def test_decode_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme,
     dtype = SCHEMES[scheme].default_dtype
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
     fn, ops = _decode_forms(rng, w, None, dtype, act_quant_params(SCHEMES[scheme].act_key), m, k)
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = _run_on(GPU, fn, ops)
     assert launched.count == 5
     monkeypatch.setenv("HUMMING_JAX_DECODE", "0")
-    with _DecodeCount() as generic:
+    with _LaunchCount(_DECODE_LAUNCHES) as generic:
         want = _run_on(GPU, fn, ops)
     assert generic.count == 0, "HUMMING_JAX_DECODE=0 must leave the calls to the generic kernel"
     _check_decode_forms(got, want, dtype, f"{scheme} M={m} E={e} N={n} K={kdim}", ops[5], 5)
@@ -593,7 +556,7 @@ def test_decode_layer_against_oracle_with_poisoned_out(rng, cls, scheme, m):
                          pad_frac=0.1)
     args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
     f = jax.jit(lambda out, x, w, tw, ids: cls().apply(out, x, w, tw, ids))
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = jax.block_until_ready(f(jax.device_put(nan_out(layer.x.shape, layer.x.dtype), GPU), *args))
     assert launched.count == 2, "both GEMMs of the layer should take the decode kernel"
     quant = act_quant_params(layer.weights.act_key)
@@ -616,7 +579,7 @@ def test_decode_batched_layer_against_oracle(rng, scheme):
     x = jnp.asarray(rng.standard_normal((e, t, h)), dtype)
     counts = jnp.asarray([0, 12, 5, 99, -3, 1, 7, 12], jnp.int32)
     f = jax.jit(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c))
-    with _DecodeCount() as launched:
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = jax.block_until_ready(f(*jax.device_put((nan_out(x.shape, x.dtype), x, w, counts), GPU)))
     assert launched.count == 2
     w13, w2 = w.dequantize()
@@ -631,13 +594,12 @@ def test_decode_batched_layer_against_oracle(rng, scheme):
 
 _DECODE_GRAPH_SCRIPT = textwrap.dedent(
     """
-    import ctypes, sys
+    import sys
     import jax, jax.numpy as jnp, numpy as np
     import humming_jax as hj
     from humming_jax.experts import GroupedExperts, IndexedExperts
     assert hj.cuda_available(), hj._ffi.backend_report()
-    launches = getattr(ctypes.CDLL(hj._ffi.backend_report()["cuda"]), "HjDecodeLaunches")
-    launches.restype = ctypes.c_uint64
+    launches = hj._ffi.launch_counter("HjDecodeLaunches")
     rng = np.random.default_rng(5)
     e, h, i, k, m = 32, 512, 256, 4, 4
     w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / 22, rng.standard_normal((e, h, i)) / 16,

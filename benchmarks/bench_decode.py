@@ -18,10 +18,8 @@ SAMPLES samples after a warm-up. A row says which kernel actually ran (the decod
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +31,7 @@ from humming_jax.experts import indexed_block_m
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.weights import PackedWeight
+from timing import median_ms
 
 SHAPES = {  # E, top-k, H, I (BENCH.md)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -42,14 +41,6 @@ SHAPES = {  # E, top-k, H, I (BENCH.md)
     "tiny": (8, 2, 256, 128),  # smoke runs
 }
 STEPS = 5
-
-
-def _launch_counter():
-    path = hj._ffi.backend_report()["cuda"]
-    fn = getattr(ctypes.CDLL(path), "HjDecodeLaunches", None) if path else None
-    if fn is not None:
-        fn.restype = ctypes.c_uint64
-    return fn
 
 
 def _weights(key, fmt: str, e: int, n: int, k: int) -> tuple[PackedWeight, float]:
@@ -94,17 +85,6 @@ def _inputs(rng: np.random.Generator, fmt: str, m: int, e: int, topk: int, k: in
     return a.astype(jnp.bfloat16), None, routing, bm, float(np.mean(touched))
 
 
-def _timed(f, args, samples: int) -> float:
-    jax.block_until_ready(f(*args))  # compile + warm-up
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
-
-
 def _scan_gemm(fmt: str, rows: int, gather_div: int, bm: int):
     agk = 128 if fmt == "fp8" else 0
 
@@ -123,7 +103,7 @@ def _scan_gemm(fmt: str, rows: int, gather_div: int, bm: int):
 def copy_ceiling(samples: int, mbytes: int = 2048) -> float:
     """Device-to-device copy bandwidth in TB/s, bytes read + written."""
     x = jnp.ones((mbytes * 1024 * 1024 // 4,), jnp.float32)
-    ms = _timed(jax.jit(lambda x: x * 1.0001), (x,), samples)
+    ms = median_ms(jax.jit(lambda x: x * 1.0001), (x,), samples)
     return 2 * x.size * 4 / (ms * 1e-3) / 1e12
 
 
@@ -136,7 +116,7 @@ def main() -> None:
     ap.add_argument("--copy-mb", type=int, default=2048, help="buffer size of the copy ceiling")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    counter = _launch_counter()
+    counter = hj._ffi.launch_counter("HjDecodeLaunches")
     if counter is None:
         print("note: CUDA library without HUMMING_JAX_FAST_PATHS (or no CUDA): only the generic kernel runs")
     rng = np.random.default_rng(0)
@@ -158,7 +138,7 @@ def main() -> None:
                         os.environ["HUMMING_JAX_DECODE"] = env
                         f = jax.jit(_scan_gemm(fmt, m * topk, gdiv, bm))  # a fresh executable per kernel
                         before = counter() if counter else 0
-                        ms = _timed(f, (a, s, routing, w), args.samples) / STEPS
+                        ms = median_ms(f, (a, s, routing, w), args.samples) / STEPS
                         ran = "decode" if counter and counter() > before else "generic"
                         if counter and kernel == "decode" and ran != "decode":
                             print(f"{shape} {fmt} {gemm} M={m}: the decode kernel did not take this problem")

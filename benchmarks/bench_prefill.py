@@ -17,10 +17,8 @@ says which kernel actually ran (the prefill launch counter of the CUDA library).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +28,7 @@ import humming_jax as hj
 from humming_jax._abi import WeightType
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.weights import PackedWeight
+from timing import median_ms
 
 SHAPES = {  # E, top-k, H, I (BENCH.md)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -39,14 +38,6 @@ SHAPES = {  # E, top-k, H, I (BENCH.md)
     "tiny": (8, 2, 256, 128),  # smoke runs
 }
 STEPS = 5
-
-
-def _launch_counter():
-    path = hj._ffi.backend_report()["cuda"]
-    fn = getattr(ctypes.CDLL(path), "HjPrefillLaunches", None) if path else None
-    if fn is not None:
-        fn.restype = ctypes.c_uint64
-    return fn
 
 
 def _weights(key, fmt: str, e: int, n: int, k: int) -> PackedWeight:
@@ -75,17 +66,6 @@ def _inputs(rng: np.random.Generator, fmt: str, m: int, e: int, topk: int, k: in
     return a.astype(jnp.float8_e4m3fn), scale, jnp.asarray(np.stack(offs))
 
 
-def _timed(f, args, samples: int) -> float:
-    jax.block_until_ready(f(*args))  # compile + warm-up
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
-
-
 def _scan_gemm(w: PackedWeight, fmt: str):
     agk = 128 if fmt == "fp8" else 0
 
@@ -102,7 +82,7 @@ def _scan_gemm(w: PackedWeight, fmt: str):
 
 def matmul_ceiling(samples: int, n: int = 8192) -> float:
     x = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(jnp.bfloat16)
-    ms = _timed(jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), (x,),
+    ms = median_ms(jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), (x,),
                 samples)
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
@@ -116,7 +96,7 @@ def main() -> None:
     ap.add_argument("--matmul-n", type=int, default=8192, help="size of the square matmul ceiling")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    counter = _launch_counter()
+    counter = hj._ffi.launch_counter("HjPrefillLaunches")
     if counter is None:
         print("note: CUDA library without HUMMING_JAX_FAST_PATHS (or no CUDA): only the generic kernel runs")
     rng = np.random.default_rng(0)
@@ -138,7 +118,7 @@ def main() -> None:
                         os.environ["HUMMING_JAX_PREFILL"] = env
                         f = jax.jit(_scan_gemm(w, fmt))  # a fresh executable per kernel (graphs capture once)
                         before = counter() if counter else 0
-                        ms = _timed(f, (a, s, off, w), args.samples) / STEPS
+                        ms = median_ms(f, (a, s, off, w), args.samples) / STEPS
                         ran = "prefill" if counter and counter() > before else "generic"
                         if counter and kernel == "prefill" and ran != "prefill":
                             print(f"{shape} {fmt} {gemm} M={m}: the prefill kernel did not take this problem")

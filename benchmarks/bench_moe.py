@@ -358,7 +358,7 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
                     extra = {k2: res.get(k2) for k2 in ("selected", "batched_rows")}
                     if system == "humming_jax" and part == "layer":
                         w = jp.weights
-                        extra["selected"] = hj_select(w)
+                        extra["selected"] = hj_select(w, jp.m * jp.k / jp.e)
                     if "output" in res:
                         outputs[system] = res.pop("output")
                         if system != "ragged_dot":
@@ -399,11 +399,12 @@ def parts_for(system: str, parts: list[str], all_parts: bool) -> list[str]:
     return list(parts)
 
 
-def hj_select(weights) -> str | None:
+def hj_select(weights, rows_per_expert: float) -> str | None:
     import humming_jax as hj
 
     try:
-        return hj.select_experts(weights.weight_key, weights.act_key, "silu").__name__
+        return hj.select_experts(weights.weight_key, weights.act_key, "silu",
+                                 rows_per_expert=rows_per_expert).__name__
     except Exception:  # noqa: BLE001
         return None
 

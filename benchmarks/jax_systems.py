@@ -207,7 +207,7 @@ def our_gemms(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
     if system == "humming_jax/batched":
         return _batched(jp, repeats, warmup)
     gemm_type = OUR_CLASSES[system]
-    cls = hj.select_experts(w.weight_key, w.act_key, "silu", prefer=gemm_type)
+    cls = hj.select_experts(w.weight_key, w.act_key, "silu", prefer=gemm_type, rows_per_expert=jp.m * jp.k / jp.e)
     R = jp.R
     if cls.gemm_type == "indexed":
         layouts = [(rt, None, None) for rt in jp.indexed_routing()]

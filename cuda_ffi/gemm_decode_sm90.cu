@@ -161,6 +161,9 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     else if (covers(gk, epc))
       dq = Deq::kF32;
     else if (covers(gk, epc / 2)) {
+      // One zero point per row and lane chunk is loaded; two groups per chunk would need two.
+      if (w.type == WeightType::kUInt4 && w.zero)
+        return decline(L, "int4 zero points with scale groups of half a lane chunk (16 k)");
       dq = Deq::kF32;
       D.nslot = 2;
     } else {

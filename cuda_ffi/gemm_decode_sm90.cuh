@@ -59,7 +59,9 @@ constexpr int kWarpStageBytes = kLaneBytes * 32;        // 2 KB
 constexpr int kWStageBytes = kWarpStageBytes * kWarps;  // 16 KB of weights per CTA stage
 constexpr int kRowsPerWarp = kNT * 16;                  // weight rows per warp
 constexpr int kChunkRowBytes = 64;                      // bytes of a row one warp reads per stage
-constexpr int kMaxDynamicSmem = 227 * 1024;             // the sm_90 opt-in limit per block
+constexpr int kStaticSmemReserve = 512;                // bound on decode_kernel's static shared memory
+// The sm_90 opt-in limit per block (227 KB) covers static and dynamic shared memory together.
+constexpr int kMaxDynamicSmem = 227 * 1024 - kStaticSmemReserve;
 
 enum class ActKind : int { kBF16 = 0, kF16 = 1, kFp8 = 2, kI8 = 3 };
 // kRaw: 16-bit weights. kPackedU4: int4 with a 16-bit scale of the activation type and no scale2.
@@ -756,6 +758,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
   __shared__ int64_t s_abyte[kMaxRows];  // byte offset of each row of a
   __shared__ int s_info[6];  // expert, nvalid, zero rows lo, hi (grouped scan: expert, lo, hi, tile)
+  static_assert(sizeof(s_arow) + sizeof(s_crow) + sizeof(s_abyte) + sizeof(s_info) + 128 <= kStaticSmemReserve,
+                "static shared memory exceeds the reserve subtracted from kMaxDynamicSmem");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * D.bn;
@@ -943,7 +947,9 @@ bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t 
   cudaGetDevice(&dev);
   const unsigned bit = dev < 32 ? (1u << dev) : 0u;
   if (!(configured & bit) || !bit) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem);
+    // A failure stays in cudaGetLastError, which the caller's launch check reports; no launch then.
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem) != cudaSuccess)
+      return true;
     cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     configured |= bit;
   }

@@ -26,11 +26,15 @@ def fused_moe(
 
     ``out`` [M, H] (hidden_states' dtype) is the caller-owned result buffer; the returned array
     aliases it (donate it under ``jax.jit`` to write in place). Without ``out`` a fresh buffer is
-    used. ``gemm_type`` ("indexed" | "grouped" | "auto") overrides $HUMMING_JAX_MOE_GEMM_TYPE.
+    used. ``gemm_type`` ("indexed" | "grouped" | "auto") overrides $HUMMING_JAX_MOE_GEMM_TYPE; auto
+    takes the grouped class for prefill-sized calls (``select_experts``, ``rows_per_expert``).
     """
     if not isinstance(weights, MoEWeights):
         raise TypeError(f"weights must be MoEWeights, got {type(weights).__name__}")
-    cls = select_experts(weights.weight_key, weights.act_key, activation, prefer=gemm_type)
+    m, top_k = topk_ids.shape if topk_ids.ndim == 2 else (hidden_states.shape[0], 1)
+    rows_per_expert = m * top_k / max(weights.num_experts, 1)
+    cls = select_experts(weights.weight_key, weights.act_key, activation, prefer=gemm_type,
+                         rows_per_expert=rows_per_expert)
     if out is None:
         out = jnp.zeros(hidden_states.shape, hidden_states.dtype)
     return cls().apply(

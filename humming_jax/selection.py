@@ -10,6 +10,10 @@ from .quant_keys import QuantKey
 
 ENV_GEMM_TYPE = "HUMMING_JAX_MOE_GEMM_TYPE"
 _STANDARD_CHOICES = ("indexed", "grouped", "auto")
+# Auto picks the grouped class from this many expected rows per expert on (prefill): there the
+# grouped GEMM runs the tiled wgmma kernel on Hopper (cuda_ffi/gemm_prefill_sm90.h,
+# kMinRowsPerExpert), while fewer rows per expert stream weights best through the indexed class.
+GROUPED_MIN_ROWS_PER_EXPERT = 64
 
 
 def _standard_preference(prefer: str | None) -> str:
@@ -32,14 +36,17 @@ def select_experts(
     batched: bool = False,
     prefer: str | None = None,
     device: Any = None,
+    rows_per_expert: float | None = None,
 ) -> type[FusedMoEExperts]:
     """Picks the expert class for a layer.
 
     ``batched=True`` picks among batched-format classes (``prefer`` may then be None, "auto" or
     "batched"). For the standard format an explicit ``prefer`` ("indexed" | "grouped" | "auto")
-    wins, else ``$HUMMING_JAX_MOE_GEMM_TYPE``, else auto (the first supporting class in the order
-    indexed, grouped). A named class that cannot run the layer is an error, never a fallback;
-    when nothing fits, the error says why each candidate was rejected.
+    wins, else ``$HUMMING_JAX_MOE_GEMM_TYPE``, else auto: the first supporting class in the order
+    indexed, grouped, or grouped, indexed when ``rows_per_expert`` (the expected routed rows per
+    local expert, M * top_k / E) is at least ``GROUPED_MIN_ROWS_PER_EXPERT``. A named class that
+    cannot run the layer is an error, never a fallback; when nothing fits, the error says why each
+    candidate was rejected.
     """
     fmt = "batched" if batched else "standard"
     candidates = [c for c in EXPERT_CLASSES if c.activation_format == fmt]
@@ -52,6 +59,8 @@ def select_experts(
         choice = _standard_preference(prefer)
     if choice != "auto":
         candidates = [c for c in candidates if c.gemm_type == choice]
+    elif not batched and rows_per_expert is not None and rows_per_expert >= GROUPED_MIN_ROWS_PER_EXPERT:
+        candidates.sort(key=lambda c: c.gemm_type != "grouped")
     rejected = []
     for cls in candidates:
         reasons = cls.rejection_reasons(weight_key, act_key, activation, device)

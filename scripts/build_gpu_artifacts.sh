@@ -3,18 +3,19 @@
 # working tree: the CUDA handler library (no Python inside) and the CPU nanobind module for the
 # GPU machine's Python (3.12). Outputs land in .gpu/ (ignored by git; carried to the device).
 #   scripts/build_gpu_artifacts.sh [python-for-the-gpu-machine]
-# HUMMING_JAX_FAST_PATHS=1 builds the CUDA library with the sm_90a fast paths (CUTLASS prefill
-# grouped GEMM, decode weight-streaming GEMM); the CUTLASS headers come from $HUMMING_JAX_CUTLASS_DIR, else from the
-# nvidia-cutlass wheel (installed in python3, or fetched here with pip download into build-gpu/).
+# The CUDA library includes the sm_90a fast paths (CUTLASS prefill grouped GEMM, decode
+# weight-streaming GEMM) unless HUMMING_JAX_FAST_PATHS=0; the CUTLASS headers come from
+# $HUMMING_JAX_CUTLASS_DIR, else from the nvidia-cutlass wheel (installed in python3, or fetched here
+# with pip download into build-gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_PY=${1:-${HUMMING_JAX_GPU_PYTHON:-/root/.pyenv/versions/3.12.1/bin/python3.12}}
 XLA_INC=$(python3 -c "from jax import ffi; print(ffi.include_dir())")
 JOBS=$(nproc)
 
-# The cache keeps options between runs: say OFF explicitly when fast paths are not asked for.
+# The cache keeps options between runs: say OFF explicitly when fast paths are not wanted.
 FAST=(-DHUMMING_JAX_FAST_PATHS=OFF)
-if [[ "${HUMMING_JAX_FAST_PATHS:-0}" == 1 ]]; then
+if [[ "${HUMMING_JAX_FAST_PATHS:-1}" == 1 ]]; then
   CUTLASS_DIR=${HUMMING_JAX_CUTLASS_DIR:-}
   if [[ -z "$CUTLASS_DIR" ]] && ! python3 -c "import cutlass_library" 2>/dev/null; then
     CUTLASS_VERSION=${HUMMING_JAX_CUTLASS_VERSION:-4.2.0.0}

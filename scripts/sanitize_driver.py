@@ -118,6 +118,27 @@ def main() -> None:
     gemm_all_forms(PackedWeight(jnp.asarray(rng.standard_normal((2, 130, 21)), jnp.float16), wtype=WeightType.FLOAT,
                                 k=21), None, jnp.float16, None)
 
+    # Prefill-sized grouped GEMMs (>= 64 rows per expert: the sm_90a wgmma kernel where built),
+    # with an empty expert, uneven expert sizes and rows past off[E] (padding ids).
+    for scheme in ("bf16", "fp16", "w8a8-fp8-block128"):
+        spec = SCHEMES[scheme]
+        e, n, k, m, topk = 3, 384, 256, 300, 2
+        w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
+        bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
+        quant = act_quant_params(spec.act_key)
+        ids = rng.choice([0, 2], (m, topk)).astype(np.int32)  # expert 1 receives nothing
+        ids[rng.random((m, topk)) < 0.05] = -1
+        x = jnp.asarray(rng.standard_normal((m, k)), spec.default_dtype)
+
+        def prefill(x, ids, w, bias, e=e, quant=quant, dtype=spec.default_dtype):
+            r = routing_ops.routing_grouped(ids, jnp.arange(e, dtype=jnp.int32), e)
+            xp = routing_ops.permute_rows(x, r, topk)
+            a, s = act_ops.quantize(xp, *quant) if quant else (xp, None)
+            return gemm_ops.gemm_grouped(a, s, w, bias if quant is None else None, r.expert_first_token_offset,
+                                         out_dtype=dtype, act_group_k=quant[1] if quant else 0)
+
+        run(prefill, x, jnp.asarray(ids), w, bias)
+
     # Activation, fused quantization, quantization, finalize.
     x = jnp.asarray(rng.standard_normal((9, 2 * 136)), jnp.bfloat16)
     for name in sorted(ACTIVATIONS):
@@ -145,7 +166,9 @@ def main() -> None:
         cnt = jnp.asarray([0, 6, 3, 9], jnp.int32)
         run(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c), jnp.zeros_like(xb), xb,
             wts, cnt)
-    print(f"sanitize_driver: {calls} jitted calls completed")
+    counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjPrefillLaunches")
+              for fn in [hj._ffi.launch_counter(name)]}
+    print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")
 
 
 if __name__ == "__main__":

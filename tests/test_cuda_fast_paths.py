@@ -435,7 +435,7 @@ def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
         # int4 with float32 scales, with bf16 scales under fp16 activations, with scale2
         (WeightType.UINT4, 256, 128, np.float32, True, False, jnp.bfloat16, None),
         (WeightType.UINT4, 96, 32, ml_dtypes.bfloat16, False, False, jnp.float16, None),
-        (WeightType.UINT4, 128, 16, jnp.bfloat16, True, True, jnp.bfloat16, None),  # two scales per lane chunk
+        (WeightType.UINT4, 128, 16, jnp.bfloat16, False, True, jnp.bfloat16, None),  # two scales per lane chunk
         # K with a partial last chunk column (not a multiple of 32 / 64 / 128 k)
         (WeightType.FLOAT, 40, 1, jnp.bfloat16, False, False, jnp.bfloat16, None),
         (WeightType.FLOAT, 72, 1, jnp.float16, False, False, jnp.float16, None),
@@ -483,19 +483,19 @@ def test_decode_mxfp4_extreme_scales_match_cpu_per_row(rng):
 
 @requires_decode
 @pytest.mark.parametrize(
-    "what,scheme,kdim",
+    "what,scheme,weights",
     [
-        ("8-bit activations with 32-k weight groups", "w4a8-mxfp4-fp8", 256),
-        ("K not a multiple of 8 (rows not 16-byte aligned)", "bf16", 36),
+        ("8-bit activations with 32-k weight groups", "w4a8-mxfp4-fp8",
+         lambda rng: _decode_weights(rng, "w4a8-mxfp4-fp8", SCHEMES["w4a8-mxfp4-fp8"].default_dtype, 4, 40, 256)),
+        ("K not a multiple of 8 (rows not 16-byte aligned)", "bf16",
+         lambda rng: _custom_weight(rng, WeightType.FLOAT, 4, 40, 36, 1, jnp.bfloat16)),
+        ("int4 zero points with 16-k groups (two groups per lane chunk)", "bf16",
+         lambda rng: _custom_weight(rng, WeightType.UINT4, 4, 40, 128, 16, jnp.bfloat16, zero=True)),
     ],
 )
-def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, scheme, kdim):
+def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, scheme, weights):
     dtype = SCHEMES[scheme].default_dtype
-    if scheme == "bf16":
-        w = _custom_weight(rng, WeightType.FLOAT, 4, 40, kdim, 1, jnp.bfloat16)
-    else:
-        w = _decode_weights(rng, scheme, dtype, 4, 40, kdim)
-    fn, ops = _decode_forms(rng, w, None, dtype, act_quant_params(SCHEMES[scheme].act_key), 2, 2, t=3)
+    fn, ops = _decode_forms(rng, weights(rng), None, dtype, act_quant_params(SCHEMES[scheme].act_key), 2, 2, t=3)
     with _LaunchCount(_DECODE_LAUNCHES) as launched:
         got = _run_on(GPU, fn, ops)
     assert launched.count == 0, what

@@ -117,3 +117,34 @@ def test_fused_moe_uses_the_environment(rng, monkeypatch):
     indexed = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
     assert "humming_jax.permute_rows" in grouped and "humming_jax.gemm_grouped" in grouped
     assert "humming_jax.routing_indexed" in indexed and "permute_rows" not in indexed
+
+
+def test_auto_prefers_grouped_for_prefill_sized_calls(monkeypatch):
+    monkeypatch.delenv(ENV_GEMM_TYPE, raising=False)
+    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT as T
+
+    assert hj.select_experts(BF16, None, rows_per_expert=T) is GroupedExperts
+    assert hj.select_experts(BF16, None, rows_per_expert=T - 1) is IndexedExperts
+    assert hj.select_experts(BF16, None, rows_per_expert=None) is IndexedExperts
+    # an explicit preference still wins
+    assert hj.select_experts(BF16, None, prefer="indexed", rows_per_expert=10 * T) is IndexedExperts
+    assert hj.select_experts(BF16, None, batched=True, rows_per_expert=10 * T) is BatchedExperts
+
+
+def test_fused_moe_auto_runs_the_class_its_size_asks_for(rng, monkeypatch):
+    """Auto at a prefill size compiles the grouped class, one row fewer per expert the indexed one;
+    both equal the reference."""
+    monkeypatch.delenv(ENV_GEMM_TYPE, raising=False)
+    from conftest import reference
+    from humming_jax.reference import relative_error
+    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT as T
+
+    e, k = 2, 2
+    for m, grouped in ((T * e // k, True), (T * e // k - 1, False)):
+        layer = random_layer(rng, m=m, e=e, h=32, i=16, k=k)
+        args = (layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
+        f = jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids))
+        hlo = f.lower(*args).as_text()
+        assert ("humming_jax.gemm_grouped" in hlo) == grouped, m
+        assert ("humming_jax.gemm_indexed" in hlo) == (not grouped), m
+        assert relative_error(f(*args), reference(layer)) < 1.2e-2

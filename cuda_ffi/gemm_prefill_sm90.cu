@@ -3,6 +3,7 @@
 // No CUTLASS header is included here, so this file compiles in seconds.
 #include "gemm_prefill_sm90.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -84,6 +85,11 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
   }
+  // Quantized weights, 16-bit activations: dequantized chunks through the 16-bit kernel.
+  if (!p.a.quantized() && p.c_type == p.a.type && (w.group_k % 8 == 0 || w.group_k >= K) && w.group_n >= 1) {
+    if (p.a.type == ElemType::kBF16) return Kind::kBf16;
+    if (p.a.type == ElemType::kF16) return Kind::kF16;
+  }
   // w8a8-fp8-block128: e4m3 codes on both sides, 128 x 128 f32 weight scales, 1 x 128 f32
   // activation scales, whole blocks only, bf16 out.
   if (w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.c_type == ElemType::kBF16 &&
@@ -128,6 +134,37 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
   return Error::Success();
 }
 
+namespace {
+// Quantized weights: experts dequantized a chunk at a time into the workspace past the kernel's
+// own part, each chunk's GEMM launched after its dequantization on the same stream. The chunk is
+// as many whole experts as the rest of the workspace holds (the wrapper sizes it,
+// dequant_buffer_bytes); with room for none the call is left to the generic kernel.
+Error run_dequantized(const std::string& call, const GroupedArgs& g, const GemmProblem& p, const DeviceInfo& dev,
+                      cudaStream_t stream, bool* handled) {
+  const size_t need = workspace_bytes(g.kind, g.E, dev.sm_count);
+  const size_t per_expert = static_cast<size_t>(g.N) * static_cast<size_t>(g.K) * 2;
+  if (g.workspace_bytes < need + kWorkspaceAlign + per_expert) return Error::Success();
+  const uintptr_t base = reinterpret_cast<uintptr_t>(g.workspace) + need;
+  const uintptr_t buf = (base + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  const size_t room = g.workspace_bytes - need - (buf - base);
+  const int64_t chunk = std::min<int64_t>(g.E, static_cast<int64_t>(room / per_expert));
+  *handled = true;
+  for (int64_t e0 = 0; e0 < g.E; e0 += chunk) {
+    const int64_t n = std::min(chunk, g.E - e0);
+    std::string err = dequantize_experts(p, e0, n, reinterpret_cast<void*>(buf), dev.sm_count, stream);
+    if (!err.empty()) return Error::Internal("humming_jax." + call + ": dequantizing experts: " + err);
+    GroupedArgs c = g;
+    c.w = reinterpret_cast<const void*>(buf);
+    c.workspace_bytes = need;  // the kernel's part only
+    c.e0 = e0;
+    c.groups = n;
+    c.zero_tail = e0 + n >= g.E;
+    HJ_RETURN_IF_ERROR(run_grouped(call, c, dev, stream));
+  }
+  return Error::Success();
+}
+}  // namespace
+
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
                   void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled) {
   *handled = false;
@@ -136,7 +173,6 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (!current_device(&dev)) return Error::Success();
   const Kind kind = choose(p, R, dev);
   if (kind == Kind::kNone) return Error::Success();
-  *handled = true;
   GroupedArgs g;
   g.kind = kind;
   g.a = p.a.data;
@@ -152,6 +188,8 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   g.E = p.w.E;
   g.workspace = workspace;
   g.workspace_bytes = ws_bytes;
+  if (p.w.type != WeightType::kFloat) return run_dequantized(call, g, p, dev, stream, handled);
+  *handled = true;
   return run_grouped(call, g, dev, stream);
 }
 

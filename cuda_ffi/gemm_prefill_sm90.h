@@ -5,7 +5,7 @@
 // Everything the kernels need per expert (row count, operand addresses, strides) is derived on
 // the device from expert_first_token_offset by a small kernel launched before the GEMM, into the
 // call's workspace result, so nothing travels to the host and the call stays capturable into a
-// CUDA graph. Compiled only with HUMMING_JAX_FAST_PATHS (CMake option, default OFF).
+// CUDA graph. Compiled only with HUMMING_JAX_FAST_PATHS (CMake option, default ON).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -66,10 +66,16 @@ struct GroupedArgs {
   int64_t R = 0, N = 0, K = 0, E = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // The experts this launch computes: [e0, e0 + groups) (groups < 0: all E). w holds expert e at
+  // index e - e0 (a chunk of dequantized weights); bias, scales and offsets stay global.
+  // zero_tail: write the zero rows past the last expert (the last chunk only).
+  int64_t e0 = 0, groups = -1;
+  bool zero_tail = true;
 };
 
 // The kernel for this problem, or kNone (then the generic kernel runs). Host-side, from shapes,
-// dtypes and alignment only.
+// dtypes and alignment only. Quantized weights with 16-bit activations get the 16-bit kind: they
+// are dequantized into the workspace a chunk of experts at a time (dequantize_experts) first.
 Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev);
 
 // Workspace bytes a kind needs for E experts on a device with sm_count SMs, including the slack
@@ -84,6 +90,12 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
 // (*handled = true, the result is the call's), else leaves the call to the generic kernel.
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
                   void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled);
+
+// w' of the contract (gemm_weight: the activation-type rounding of the float32 weight) of experts
+// [e0, e0 + experts) into out [experts, N, K] of the activation type (bf16 or fp16). Needs K % 8 == 0
+// and scale groups of whole 8-column runs (group_k % 8 == 0 or group_k >= K).
+std::string dequantize_experts(const GemmProblem& p, int64_t e0, int64_t experts, void* out, int sm_count,
+                               cudaStream_t stream);
 
 // Per-kind entry points, one translation unit each. They return an empty string on success.
 size_t workspace_bytes_bf16(int64_t E, int sm_count);

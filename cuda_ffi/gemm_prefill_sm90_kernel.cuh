@@ -228,7 +228,9 @@ struct SetupParams {
   const float* w_scale;
   const float* bias;
   typename G::ElementD* c;
-  int32_t R, E;
+  int32_t R, E;     // E: all experts (the offsets scanned)
+  int32_t e0, groups;  // the experts this launch computes; arrays and w are indexed by e - e0
+  bool zero_tail;   // write rows [last offset, R) as zeros
   int64_t N, K;
 };
 
@@ -265,20 +267,21 @@ __global__ void __launch_bounds__(kSetupThreads) setup_groups(SetupParams<G> s) 
     }
     __syncthreads();
     const int64_t sfk = s.K / 128;
-    for (int e = tid; e < s.E; e += kSetupThreads) {
+    for (int i = tid; i < s.groups; i += kSetupThreads) {
+      const int e = s.e0 + i;
       const int lo = e > 0 ? s_hi[e - 1] : 0;
       const int hi = s_hi[e];
-      s.arr.shapes[e] = typename G::Shape3(hi - lo, static_cast<int>(s.N), static_cast<int>(s.K));
-      s.arr.ptr_a[e] = s.a + static_cast<int64_t>(lo) * s.K;
-      s.arr.ptr_b[e] = s.w + static_cast<int64_t>(e) * s.N * s.K;
-      s.arr.ptr_d[e] = s.c + static_cast<int64_t>(lo) * s.N;
-      s.arr.stride_a[e] = typename G::StrideA(s.K, _1{}, _0{});
-      s.arr.stride_b[e] = typename G::StrideB(s.K, _1{}, _0{});
-      s.arr.stride_d[e] = typename G::StrideD(s.N, _1{}, _0{});
-      if (s.bias) s.arr.ptr_bias[e] = s.bias + static_cast<int64_t>(e) * s.N;
+      s.arr.shapes[i] = typename G::Shape3(hi - lo, static_cast<int>(s.N), static_cast<int>(s.K));
+      s.arr.ptr_a[i] = s.a + static_cast<int64_t>(lo) * s.K;
+      s.arr.ptr_b[i] = s.w + static_cast<int64_t>(i) * s.N * s.K;
+      s.arr.ptr_d[i] = s.c + static_cast<int64_t>(lo) * s.N;
+      s.arr.stride_a[i] = typename G::StrideA(s.K, _1{}, _0{});
+      s.arr.stride_b[i] = typename G::StrideB(s.K, _1{}, _0{});
+      s.arr.stride_d[i] = typename G::StrideD(s.N, _1{}, _0{});
+      if (s.bias) s.arr.ptr_bias[i] = s.bias + static_cast<int64_t>(e) * s.N;
       if (s.arr.ptr_sfa) {
-        s.arr.ptr_sfa[e] = s.a_scale + static_cast<int64_t>(lo) * sfk;
-        s.arr.ptr_sfb[e] = s.w_scale + static_cast<int64_t>(e) * (s.N / 128) * sfk;
+        s.arr.ptr_sfa[i] = s.a_scale + static_cast<int64_t>(lo) * sfk;
+        s.arr.ptr_sfb[i] = s.w_scale + static_cast<int64_t>(e) * (s.N / 128) * sfk;
       }
     }
   } else {
@@ -293,6 +296,7 @@ __global__ void __launch_bounds__(kSetupThreads) setup_groups(SetupParams<G> s) 
     if (tid == 0) s_last = min(s.R, s_last);
   }
   __syncthreads();
+  if (!s.zero_tail) return;
   // Rows [last, R) belong to no local expert: zeros, 16 bytes per store (N % 8 == 0 here).
   const int64_t per_row = s.N * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16;
   const int64_t first = static_cast<int64_t>(s_last) * per_row;
@@ -364,8 +368,13 @@ std::string run(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream
   s.w_scale = g.w_scale;
   s.bias = g.bias;
   s.c = static_cast<ElementD*>(g.c);
+  const int64_t groups = g.groups < 0 ? g.E : g.groups;
+  if (g.e0 < 0 || groups < 1 || g.e0 + groups > g.E) return "expert range out of bounds";
   s.R = static_cast<int32_t>(g.R);
   s.E = static_cast<int32_t>(g.E);
+  s.e0 = static_cast<int32_t>(g.e0);
+  s.groups = static_cast<int32_t>(groups);
+  s.zero_tail = g.zero_tail;
   s.N = g.N;
   s.K = g.K;
   // Enough blocks that a large zero tail (expert parallelism: most rows elsewhere) is written at
@@ -373,11 +382,12 @@ std::string run(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream
   const int64_t vectors = g.R * g.N * static_cast<int64_t>(sizeof(ElementD)) / 16;
   int64_t blocks = (vectors + kSetupThreads * 8 - 1) / (kSetupThreads * 8);
   blocks = blocks < 1 ? 1 : (blocks > 2 * dev.sm_count ? 2 * dev.sm_count : blocks);
+  if (!g.zero_tail) blocks = 1;
   setup_groups<G><<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(s);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launching setup_groups: ") + cudaGetErrorString(e);
 
-  typename G::Arguments args = G::arguments(g.E, dev.sm_count, clusters, arr, g.bias != nullptr);
+  typename G::Arguments args = G::arguments(groups, dev.sm_count, clusters, arr, g.bias != nullptr);
   args.hw_info.device_id = dev.device;
   if (!G::Kernel::can_implement(args)) return "CUTLASS cannot implement these arguments";
   cutlass::Status st = G::Kernel::initialize_workspace(args, g.workspace, stream);

@@ -110,11 +110,11 @@ def _expert_map(e, kind):
     return jnp.arange(e, dtype=jnp.int32)
 
 
-def _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=False):
+def _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=False, dtype=None):
     """GEMM operands built on the GPU: permuted (and for fp8, quantized) activations, offsets,
     weights, bias; returned as host-independent jax arrays on the GPU."""
     spec = SCHEMES[scheme]
-    dtype = spec.default_dtype
+    dtype = dtype or spec.default_dtype
     quant = act_quant_params(spec.act_key)
     w = spec.quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     b = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1) if bias else None
@@ -199,6 +199,54 @@ def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme
         want = _run_gemm(GPU, p, poison=False)
     assert generic.count == 0, "HUMMING_JAX_PREFILL=0 must leave the call to the generic kernel"
     _assert_close(got, want, p["dtype"], f"{scheme} M={m} E={e} N={n} K={kdim}")
+
+
+DEQUANT_PREFILL_CASES = [
+    # scheme, activation dtype, M tokens, top-k, E, N, K, routing
+    ("w4a16-int4-g128", jnp.bfloat16, 1024, 2, 8, 384, 512, "uniform"),
+    ("w4a16-int4-g128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
+    ("w4a16-uint4-zp-g128", jnp.bfloat16, 1024, 2, 8, 256, 256, "tail"),
+    ("w4a16-mxfp4", jnp.bfloat16, 1024, 4, 16, 264, 256, "zero_rows"),
+    ("w4a16-nvfp4", jnp.bfloat16, 1024, 2, 8, 256, 512, "uniform"),
+    ("w8a16-int8-channel", jnp.bfloat16, 1024, 1, 8, 256, 136, "one_expert"),
+    ("w8a16-fp8-block128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
+]
+
+
+@requires_prefill
+@pytest.mark.parametrize("scheme,dtype,m,k,e,n,kdim,kind", DEQUANT_PREFILL_CASES)
+def test_prefill_dequantized_weights_match_cpu(rng, scheme, dtype, m, k, e, n, kdim, kind):
+    """Quantized weights with 16-bit activations at prefill sizes: experts dequantized into the
+    workspace, then the 16-bit wgmma kernel (one launch: every expert fits the default buffer)."""
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=kind == "uniform", dtype=dtype)
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, "the dequantized prefill path did not run"
+    want = _run_gemm(CPU, p, poison=False)
+    _assert_close(got, want, p["dtype"], f"{scheme} {kind}")
+    last = int(np.asarray(p["off"])[-1])
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+
+
+@requires_prefill
+def test_prefill_dequantizes_in_chunks_when_the_buffer_is_small(rng, monkeypatch):
+    """A 1 MiB dequantization buffer holds 2 of the 8 experts (384 x 512 bf16 each): four chunks,
+    each its own GEMM launch, the zero tail written once, the result as on the CPU; 0 MiB turns the
+    path off (the generic kernel runs)."""
+    monkeypatch.setenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, "1")
+    p = _gemm_inputs(rng, "w4a16-int4-g128", 1024, 4, 8, 384, 512, "tail", bias=True)
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 4
+    want = _run_gemm(CPU, p, poison=False)
+    _assert_close(got, want, p["dtype"], "int4 in 4 chunks")
+    last = int(np.asarray(p["off"])[-1])
+    assert last < got.shape[0] and np.all(got[last:] == 0.0)
+    monkeypatch.setenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, "0")
+    with _LaunchCount(_PREFILL_LAUNCHES) as generic:
+        again = _run_gemm(GPU, p)
+    assert generic.count == 0
+    _assert_close(again, want, p["dtype"], "int4 on the generic kernel")
 
 
 @requires_prefill

@@ -59,6 +59,67 @@ def test_wrapper_returns_c_only_and_the_call_has_the_workspace(rng):
     assert f"(tensor<{a.shape[0]}x{w.n}xbf16>, tensor<{size}xui8>)" in call, call
 
 
+def _int4(rng, e, n, k, group_k=128):
+    codes = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
+    scale = jnp.asarray(rng.random((e, n, max(1, k // group_k))), jnp.bfloat16)
+    return PackedWeight(codes, scale, wtype=WeightType.UINT4, k=k, group_n=1, group_k=group_k)
+
+
+def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
+    """Prefill-sized calls with quantized weights and 16-bit activations get a buffer of whole
+    experts (at least one, at most E) within $HUMMING_JAX_DEQUANT_WORKSPACE_MB; every other call
+    gets none."""
+    monkeypatch.delenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, raising=False)
+    e, n, k = 8, 384, 512
+    w = _int4(rng, e, n, k)
+    per = n * k * 2
+    rows = gemm_ops.MIN_ROWS_PER_EXPERT * e
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 128 + e * per  # all fit in 512 MiB
+    assert gemm_ops.dequant_buffer_bytes(rows - 1, w, jnp.bfloat16, False) == 0  # decode-sized
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, True) == 0  # 8-bit activations
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.float32, False) == 0
+    assert gemm_ops.dequant_buffer_bytes(rows, _int4(rng, e, n, 12, group_k=12), jnp.bfloat16, False) == 0
+    bf16 = PackedWeight(jnp.zeros((e, n, k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
+    assert gemm_ops.dequant_buffer_bytes(rows, bf16, jnp.bfloat16, False) == 0
+    monkeypatch.setenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, "1")
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 128 + 2 * per
+    monkeypatch.setenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, "0")
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
+    monkeypatch.setenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, "lots")
+    with pytest.raises(ValueError, match="HUMMING_JAX_DEQUANT_WORKSPACE_MB"):
+        gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False)
+
+
+def test_min_rows_matches_the_cuda_header():
+    text = (ROOT / "cuda_ffi" / "gemm_prefill_sm90.h").read_text()
+    found = re.search(r"kMinRowsPerExpert = (\d+);", text)
+    assert found and int(found.group(1)) == gemm_ops.MIN_ROWS_PER_EXPERT
+
+
+def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rng):
+    """On the CPU the buffer is only requested (the handler ignores it); the result is the
+    dequantized product either way."""
+    e, n, k, topk = 2, 16, 256, 1
+    m = gemm_ops.MIN_ROWS_PER_EXPERT * e
+    w = _int4(rng, e, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e, (m, topk)).astype(np.int32))
+    r = routing_ops.routing_grouped(ids, jnp.arange(e, dtype=jnp.int32), e)
+    a = routing_ops.permute_rows(x, r, topk)
+    f = jax.jit(lambda a, w, off: gemm_ops.gemm_grouped(a, None, w, None, off, out_dtype=jnp.bfloat16))
+    hlo = f.lower(a, w, r.expert_first_token_offset).as_text()
+    size = gemm_ops.grouped_workspace_bytes(e) + gemm_ops.dequant_buffer_bytes(m, w, jnp.bfloat16, False)
+    assert size > gemm_ops.grouped_workspace_bytes(e)
+    assert f"tensor<{size}xui8>" in hlo
+    codes = np.asarray(w.data)
+    q = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(e, n, k).astype(np.float32)  # even k: low nibble
+    scale = np.repeat(np.asarray(w.scale, np.float32), 128, axis=2)
+    wd = np.asarray(jnp.asarray((q - 8) * scale, jnp.bfloat16), np.float32)  # w' in the activation type
+    want = np.einsum("rk,rnk->rn", np.asarray(a, np.float32), wd[_experts(r.expert_first_token_offset, m)])
+    got = np.asarray(f(a, w, r.expert_first_token_offset), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
 def _experts(off, rows):
     off = np.asarray(off)
     return np.searchsorted(off[1:], np.arange(rows), side="right")

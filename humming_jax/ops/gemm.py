@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _ffi
+from .._abi import WeightType
 from ..weights import PackedWeight
 from .routing import IndexedRouting
 
@@ -80,8 +81,42 @@ GROUPED_WORKSPACE_PER_EXPERT = 256
 
 
 def grouped_workspace_bytes(num_experts: int) -> int:
-    """Bytes of the uint8 workspace result of ``gemm_grouped`` for ``num_experts`` local experts."""
+    """Bytes of the uint8 workspace result of ``gemm_grouped`` for ``num_experts`` local experts
+    (the prefill kernel's scratch; the dequantization buffer comes on top, dequant_buffer_bytes)."""
     return GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * int(num_experts)
+
+
+# Prefill-sized grouped GEMMs with quantized weights and 16-bit activations dequantize a chunk of
+# experts at a time into the workspace (exactly the w' of the contract, in the activation type)
+# and run the 16-bit wgmma kernel on it. The buffer holds as many whole experts as fit in
+# $HUMMING_JAX_DEQUANT_WORKSPACE_MB (default 512, read when the call is traced; 0 turns this path
+# off), at least one; the CUDA handler takes the chunk size from the size it is given.
+ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
+DEQUANT_WORKSPACE_MB_DEFAULT = 512
+_DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
+MIN_ROWS_PER_EXPERT = 64  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
+
+
+def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
+    """Workspace bytes ``gemm_grouped`` adds for dequantizing experts (0 when the call cannot take
+    that path: 16-bit weights, 8-bit activations, too few rows per expert, K or N not a multiple
+    of 8, scale groups that are not whole 8-column runs)."""
+    import os
+
+    e, n, k = w.num_experts, w.n, w.k
+    if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
+            or e <= 0 or rows < MIN_ROWS_PER_EXPERT * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
+        return 0
+    raw = os.environ.get(ENV_DEQUANT_WORKSPACE_MB, "") or str(DEQUANT_WORKSPACE_MB_DEFAULT)
+    try:
+        budget_mb = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_DEQUANT_WORKSPACE_MB} = {raw!r} is not a whole number of MiB") from None
+    if budget_mb <= 0:
+        return 0
+    per_expert = n * k * 2
+    experts = max(1, min(e, (budget_mb << 20) // per_expert))
+    return _DEQUANT_ALIGN + experts * per_expert
 
 
 def gemm_grouped(
@@ -103,7 +138,8 @@ def gemm_grouped(
         "gemm_grouped",
         (
             jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
-            jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts),), jnp.uint8),
+            jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts)
+                                  + dequant_buffer_bytes(a.shape[0], w, a.dtype, a_scale is not None),), jnp.uint8),
         ),
         *ops,
         expert_first_token_offset,

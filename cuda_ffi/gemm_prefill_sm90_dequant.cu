@@ -1,0 +1,106 @@
+// Dequantization of whole experts for the prefill path (gemm_prefill_sm90.h, dequantize_experts):
+// quantized weights become the 16-bit w' of the contract (the activation-type rounding of the
+// float32 weight_value, as gemm_weight computes it), so the 16-bit wgmma kernel then gives the
+// same products as the generic kernel. A memory-bound pass: each thread writes 8 consecutive
+// values (16 bytes) of one weight row from 4 or 8 bytes of codes and one scale (and zero point).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "gemm_prefill_sm90.h"
+#include "moe_contract.h"
+
+namespace hj {
+namespace prefill {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Code of weight k (of an 8-aligned run starting at k0) as a float, before any scale.
+template <WeightType WT>
+__device__ __forceinline__ float code_value(uint64_t run, int i, int z) {
+  if constexpr (WT == WeightType::kUInt4) {
+    return static_cast<float>(static_cast<int>((run >> (4 * i)) & 0xf) - z);
+  } else if constexpr (WT == WeightType::kFp4E2M1) {
+    return e2m1_to_float(static_cast<uint8_t>((run >> (4 * i)) & 0xf));
+  } else if constexpr (WT == WeightType::kInt8) {
+    return static_cast<float>(static_cast<int8_t>((run >> (8 * i)) & 0xff));
+  } else {
+    return e4m3_to_float(static_cast<uint8_t>((run >> (8 * i)) & 0xff));
+  }
+}
+
+// One thread per 8 consecutive k of one row of experts [e0, e0 + experts); the 8 values share one
+// scale group (group_k % 8 == 0 or group_k >= K, checked by the caller).
+template <WeightType WT, bool kBf16>
+__global__ void __launch_bounds__(kThreads) dequant_kernel(WeightView w, int64_t e0, int64_t experts, uint4* out) {
+  const int64_t k8s = w.K / 8;
+  const int64_t total = experts * w.N * k8s;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t srows = w.scale_rows(), scols = w.scale_cols();
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
+    const int64_t k0 = (i % k8s) * 8;
+    const int64_t rl = i / k8s;  // row within the chunk
+    const int64_t n = rl % w.N;
+    const int64_t e = e0 + rl / w.N;
+    const int64_t row = e * w.N + n;
+    uint64_t run;
+    if constexpr (WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1)
+      run = __ldg(reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.data) + row * (w.K / 2) + k0 / 2));
+    else
+      run = __ldg(reinterpret_cast<const unsigned long long*>(static_cast<const uint8_t*>(w.data) + row * w.K + k0));
+    const int64_t sidx = (e * srows + n / w.group_n) * scols + k0 / w.group_k;
+    const float scale = load_elem(w.scale_type, w.scale, sidx);
+    const float scale2 = w.scale2 ? w.scale2[e] : 1.0f;  // x * 1 is exact: the same as no scale2
+    const int z = (WT == WeightType::kUInt4 && w.zero) ? static_cast<int>(w.zero[sidx]) : 8;
+    uint32_t packed[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // weight_value's order: code * scale, then * scale2; then one rounding to the 16-bit type.
+      const float lo = (code_value<WT>(run, 2 * j, z) * scale) * scale2;
+      const float hi = (code_value<WT>(run, 2 * j + 1, z) * scale) * scale2;
+      const uint32_t l = kBf16 ? float_to_bf16(lo) : float_to_f16(lo);
+      const uint32_t h = kBf16 ? float_to_bf16(hi) : float_to_f16(hi);
+      packed[j] = l | (h << 16);
+    }
+    out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
+template <WeightType WT>
+void launch(const WeightView& w, bool bf16, int64_t e0, int64_t experts, void* out, unsigned blocks,
+            cudaStream_t stream) {
+  if (bf16)
+    dequant_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, experts, static_cast<uint4*>(out));
+  else
+    dequant_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, experts, static_cast<uint4*>(out));
+}
+
+}  // namespace
+
+std::string dequantize_experts(const GemmProblem& p, int64_t e0, int64_t experts, void* out, int sm_count,
+                               cudaStream_t stream) {
+  const WeightView& w = p.w;
+  if (p.a.type != ElemType::kBF16 && p.a.type != ElemType::kF16) return "activations must be bf16 or fp16";
+  if (w.K % 8 != 0 || !(w.group_k % 8 == 0 || w.group_k >= w.K)) return "K and the scale groups must be whole 8-column runs";
+  if (e0 < 0 || experts < 1 || e0 + experts > w.E) return "expert range out of bounds";
+  const bool bf16 = p.a.type == ElemType::kBF16;
+  const int64_t work = experts * w.N * (w.K / 8);
+  const unsigned blocks =
+      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 8LL * sm_count)));
+  switch (w.type) {
+    case WeightType::kUInt4: launch<WeightType::kUInt4>(w, bf16, e0, experts, out, blocks, stream); break;
+    case WeightType::kFp4E2M1: launch<WeightType::kFp4E2M1>(w, bf16, e0, experts, out, blocks, stream); break;
+    case WeightType::kInt8: launch<WeightType::kInt8>(w, bf16, e0, experts, out, blocks, stream); break;
+    case WeightType::kFp8E4M3: launch<WeightType::kFp8E4M3>(w, bf16, e0, experts, out, blocks, stream); break;
+    default: return "16-bit weights need no dequantization";
+  }
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return std::string("launching dequant_kernel: ") + cudaGetErrorString(e);
+  return {};
+}
+
+}  // namespace prefill
+}  // namespace hj

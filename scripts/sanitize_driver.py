@@ -118,9 +118,10 @@ def main() -> None:
     gemm_all_forms(PackedWeight(jnp.asarray(rng.standard_normal((2, 130, 21)), jnp.float16), wtype=WeightType.FLOAT,
                                 k=21), None, jnp.float16, None)
 
-    # Prefill-sized grouped GEMMs (>= 64 rows per expert: the sm_90a wgmma kernel where built),
-    # with an empty expert, uneven expert sizes and rows past off[E] (padding ids).
-    for scheme in ("bf16", "fp16", "w8a8-fp8-block128"):
+    # Prefill-sized grouped GEMMs (>= 64 rows per expert: the sm_90a wgmma kernel where built;
+    # int4 and mxfp4 through the dequantization buffer), with an empty expert, uneven expert
+    # sizes and rows past off[E] (padding ids).
+    for scheme in ("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"):
         spec = SCHEMES[scheme]
         e, n, k, m, topk = 3, 384, 256, 300, 2
         w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)

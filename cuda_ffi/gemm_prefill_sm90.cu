@@ -147,7 +147,10 @@ Error run_dequantized(const std::string& call, const GroupedArgs& g, const GemmP
   const uintptr_t base = reinterpret_cast<uintptr_t>(g.workspace) + need;
   const uintptr_t buf = (base + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
   const size_t room = g.workspace_bytes - need - (buf - base);
-  const int64_t chunk = std::min<int64_t>(g.E, static_cast<int64_t>(room / per_expert));
+  // Also below 2^31 runs of 8 values per chunk (the dequantization kernel's 32-bit indexing).
+  const int64_t runs_per_expert = std::max<int64_t>(1, g.N * g.K / 8);
+  const int64_t chunk = std::min<int64_t>({g.E, static_cast<int64_t>(room / per_expert),
+                                           std::max<int64_t>(1, (int64_t{1} << 31) / runs_per_expert - 1)});
   *handled = true;
   for (int64_t e0 = 0; e0 < g.E; e0 += chunk) {
     const int64_t n = std::min(chunk, g.E - e0);
@@ -188,7 +191,10 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   g.E = p.w.E;
   g.workspace = workspace;
   g.workspace_bytes = ws_bytes;
-  if (p.w.type != WeightType::kFloat) return run_dequantized(call, g, p, dev, stream, handled);
+  // The 16-bit kinds with quantized weights run on dequantized chunks (fp8 block weights keep
+  // their codes: the fp8 kind scales them in the mainloop).
+  if ((kind == Kind::kBf16 || kind == Kind::kF16) && p.w.type != WeightType::kFloat)
+    return run_dequantized(call, g, p, dev, stream, handled);
   *handled = true;
   return run_grouped(call, g, dev, stream);
 }

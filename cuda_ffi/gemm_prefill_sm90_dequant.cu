@@ -33,25 +33,30 @@ __device__ __forceinline__ float code_value(uint64_t run, int i, int z) {
 }
 
 // One thread per 8 consecutive k of one row of experts [e0, e0 + experts); the 8 values share one
-// scale group (group_k % 8 == 0 or group_k >= K, checked by the caller).
+// scale group (group_k % 8 == 0 or group_k >= K, checked by the caller). Index math in 32 bits
+// (the caller keeps a chunk below 2^31 runs of 8): 64-bit divisions would cost more than the
+// memory traffic.
 template <WeightType WT, bool kBf16>
-__global__ void __launch_bounds__(kThreads) dequant_kernel(WeightView w, int64_t e0, int64_t experts, uint4* out) {
-  const int64_t k8s = w.K / 8;
-  const int64_t total = experts * w.N * k8s;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t srows = w.scale_rows(), scols = w.scale_cols();
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
-    const int64_t k0 = (i % k8s) * 8;
-    const int64_t rl = i / k8s;  // row within the chunk
-    const int64_t n = rl % w.N;
-    const int64_t e = e0 + rl / w.N;
+__global__ void __launch_bounds__(kThreads) dequant_kernel(WeightView w, int64_t e0, uint32_t total, uint4* out) {
+  const uint32_t k8s = static_cast<uint32_t>(w.K / 8), N = static_cast<uint32_t>(w.N);
+  const uint32_t gn = static_cast<uint32_t>(w.group_n), gk = static_cast<uint32_t>(w.group_k);
+  const uint32_t srows = static_cast<uint32_t>(w.scale_rows()), scols = static_cast<uint32_t>(w.scale_cols());
+  const int64_t row_bytes = w.row_bytes();
+  const uint32_t stride = gridDim.x * kThreads;
+  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < total; i += stride) {
+    const uint32_t rl = i / k8s;  // row within the chunk
+    const uint32_t k0 = (i - rl * k8s) * 8;
+    const uint32_t el = rl / N;
+    const uint32_t n = rl - el * N;
+    const int64_t e = e0 + el;
     const int64_t row = e * w.N + n;
+    const uint8_t* bytes = static_cast<const uint8_t*>(w.data) + row * row_bytes;
     uint64_t run;
     if constexpr (WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1)
-      run = __ldg(reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.data) + row * (w.K / 2) + k0 / 2));
+      run = __ldg(reinterpret_cast<const uint32_t*>(bytes + k0 / 2));
     else
-      run = __ldg(reinterpret_cast<const unsigned long long*>(static_cast<const uint8_t*>(w.data) + row * w.K + k0));
-    const int64_t sidx = (e * srows + n / w.group_n) * scols + k0 / w.group_k;
+      run = __ldg(reinterpret_cast<const unsigned long long*>(bytes + k0));
+    const int64_t sidx = (e * srows + n / gn) * static_cast<int64_t>(scols) + k0 / gk;
     const float scale = load_elem(w.scale_type, w.scale, sidx);
     const float scale2 = w.scale2 ? w.scale2[e] : 1.0f;  // x * 1 is exact: the same as no scale2
     const int z = (WT == WeightType::kUInt4 && w.zero) ? static_cast<int>(w.zero[sidx]) : 8;
@@ -70,12 +75,12 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(WeightView w, int64_t
 }
 
 template <WeightType WT>
-void launch(const WeightView& w, bool bf16, int64_t e0, int64_t experts, void* out, unsigned blocks,
+void launch(const WeightView& w, bool bf16, int64_t e0, uint32_t total, void* out, unsigned blocks,
             cudaStream_t stream) {
   if (bf16)
-    dequant_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, experts, static_cast<uint4*>(out));
+    dequant_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, static_cast<uint4*>(out));
   else
-    dequant_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, experts, static_cast<uint4*>(out));
+    dequant_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, total, static_cast<uint4*>(out));
 }
 
 }  // namespace
@@ -88,13 +93,16 @@ std::string dequantize_experts(const GemmProblem& p, int64_t e0, int64_t experts
   if (e0 < 0 || experts < 1 || e0 + experts > w.E) return "expert range out of bounds";
   const bool bf16 = p.a.type == ElemType::kBF16;
   const int64_t work = experts * w.N * (w.K / 8);
+  if (work >= (int64_t{1} << 31) || w.N >= (int64_t{1} << 31) || w.scale_cols() * w.scale_rows() >= (int64_t{1} << 31))
+    return "a dequantization chunk of 2^31 or more 8-value runs";
+  const auto total = static_cast<uint32_t>(work);
   const unsigned blocks =
-      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 8LL * sm_count)));
+      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 16LL * sm_count)));
   switch (w.type) {
-    case WeightType::kUInt4: launch<WeightType::kUInt4>(w, bf16, e0, experts, out, blocks, stream); break;
-    case WeightType::kFp4E2M1: launch<WeightType::kFp4E2M1>(w, bf16, e0, experts, out, blocks, stream); break;
-    case WeightType::kInt8: launch<WeightType::kInt8>(w, bf16, e0, experts, out, blocks, stream); break;
-    case WeightType::kFp8E4M3: launch<WeightType::kFp8E4M3>(w, bf16, e0, experts, out, blocks, stream); break;
+    case WeightType::kUInt4: launch<WeightType::kUInt4>(w, bf16, e0, total, out, blocks, stream); break;
+    case WeightType::kFp4E2M1: launch<WeightType::kFp4E2M1>(w, bf16, e0, total, out, blocks, stream); break;
+    case WeightType::kInt8: launch<WeightType::kInt8>(w, bf16, e0, total, out, blocks, stream); break;
+    case WeightType::kFp8E4M3: launch<WeightType::kFp8E4M3>(w, bf16, e0, total, out, blocks, stream); break;
     default: return "16-bit weights need no dequantization";
   }
   const cudaError_t e = cudaGetLastError();

@@ -129,6 +129,21 @@ def git_commit() -> str | None:
         return None
 
 
+def source_digest() -> str:
+    """sha256 (first 16 hex digits) of the sources that decide what runs: cuda_ffi/, the package's
+    Python files, CMakeLists.txt. Identifies the code even where the working tree is a copy whose
+    git HEAD is stale or has uncommitted changes."""
+    import hashlib
+
+    root = HERE.parent
+    h = hashlib.sha256()
+    files = sorted([*root.glob("cuda_ffi/*"), *root.glob("humming_jax/**/*.py"), root / "CMakeLists.txt"])
+    for f in files:
+        if f.is_file():
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 class Run:
     """The result file being built: rows, not-run points, incremental writes."""
 
@@ -230,6 +245,7 @@ def main(argv=None) -> int:
         "humming_jax_cuda": bool(hj.cuda_available()),
         "python": platform.python_version(),
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "env": {k: os.environ.get(k) for k in ("HUMMING_JAX_MOE_GEMM_TYPE", "XLA_PYTHON_CLIENT_PREALLOCATE",
                                                  "XLA_PYTHON_CLIENT_MEM_FRACTION", "HUMMING_CACHE_DIR") if os.environ.get(k)},

@@ -149,23 +149,32 @@ def _run_gemm(dev, p, poison=True):
 
 
 PREFILL_CASES = [
-    # scheme, M tokens, top-k, E, N, K, routing
-    ("bf16", 1024, 2, 8, 768, 512, "uniform"),
-    ("fp16", 1024, 2, 8, 512, 256, "uniform"),
-    ("bf16", 2048, 8, 64, 384, 256, "zero_rows"),
-    ("bf16", 1024, 1, 8, 256, 512, "one_expert"),
-    ("bf16", 1024, 4, 16, 264, 136, "tail"),  # N, K multiples of 8 but not of the tiles
-    ("w8a8-fp8-block128", 1024, 2, 8, 768, 512, "uniform"),
-    ("w8a8-fp8-block128", 2048, 8, 64, 384, 256, "zero_rows"),
-    ("w8a8-fp8-block128", 1024, 1, 8, 256, 512, "one_expert"),
-    ("w8a8-fp8-block128", 1024, 4, 16, 256, 384, "tail"),
+    # scheme, activation dtype (None: the scheme's), M tokens, top-k, E, N, K, routing
+    ("bf16", None, 1024, 2, 8, 768, 512, "uniform"),
+    ("fp16", None, 1024, 2, 8, 512, 256, "uniform"),
+    ("bf16", None, 2048, 8, 64, 384, 256, "zero_rows"),
+    ("bf16", None, 1024, 1, 8, 256, 512, "one_expert"),
+    ("bf16", None, 1024, 4, 16, 264, 136, "tail"),  # N, K multiples of 8 but not of the tiles
+    ("w8a8-fp8-block128", None, 1024, 2, 8, 768, 512, "uniform"),
+    ("w8a8-fp8-block128", None, 2048, 8, 64, 384, 256, "zero_rows"),
+    ("w8a8-fp8-block128", None, 1024, 1, 8, 256, 512, "one_expert"),
+    ("w8a8-fp8-block128", None, 1024, 4, 16, 256, 384, "tail"),
+    # Quantized weights with 16-bit activations: experts dequantized into the workspace, then the
+    # 16-bit kernel (one launch: every expert fits the default buffer).
+    ("w4a16-int4-g128", jnp.bfloat16, 1024, 2, 8, 384, 512, "uniform"),
+    ("w4a16-int4-g128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
+    ("w4a16-uint4-zp-g128", jnp.bfloat16, 1024, 2, 8, 256, 256, "tail"),
+    ("w4a16-mxfp4", jnp.bfloat16, 1024, 4, 16, 264, 256, "zero_rows"),
+    ("w4a16-nvfp4", jnp.bfloat16, 1024, 2, 8, 256, 512, "uniform"),
+    ("w8a16-int8-channel", jnp.bfloat16, 1024, 1, 8, 256, 136, "one_expert"),
+    ("w8a16-fp8-block128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
 ]
 
 
 @requires_prefill
-@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind", PREFILL_CASES)
-def test_prefill_grouped_gemm_matches_cpu(rng, scheme, m, k, e, n, kdim, kind):
-    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=kind == "uniform")
+@pytest.mark.parametrize("scheme,dtype,m,k,e,n,kdim,kind", PREFILL_CASES)
+def test_prefill_grouped_gemm_matches_cpu(rng, scheme, dtype, m, k, e, n, kdim, kind):
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=kind == "uniform", dtype=dtype)
     with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         got = _run_gemm(GPU, p)
     assert launched.count == 1, "the prefill kernel did not run"
@@ -199,33 +208,6 @@ def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme
         want = _run_gemm(GPU, p, poison=False)
     assert generic.count == 0, "HUMMING_JAX_PREFILL=0 must leave the call to the generic kernel"
     _assert_close(got, want, p["dtype"], f"{scheme} M={m} E={e} N={n} K={kdim}")
-
-
-DEQUANT_PREFILL_CASES = [
-    # scheme, activation dtype, M tokens, top-k, E, N, K, routing
-    ("w4a16-int4-g128", jnp.bfloat16, 1024, 2, 8, 384, 512, "uniform"),
-    ("w4a16-int4-g128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
-    ("w4a16-uint4-zp-g128", jnp.bfloat16, 1024, 2, 8, 256, 256, "tail"),
-    ("w4a16-mxfp4", jnp.bfloat16, 1024, 4, 16, 264, 256, "zero_rows"),
-    ("w4a16-nvfp4", jnp.bfloat16, 1024, 2, 8, 256, 512, "uniform"),
-    ("w8a16-int8-channel", jnp.bfloat16, 1024, 1, 8, 256, 136, "one_expert"),
-    ("w8a16-fp8-block128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
-]
-
-
-@requires_prefill
-@pytest.mark.parametrize("scheme,dtype,m,k,e,n,kdim,kind", DEQUANT_PREFILL_CASES)
-def test_prefill_dequantized_weights_match_cpu(rng, scheme, dtype, m, k, e, n, kdim, kind):
-    """Quantized weights with 16-bit activations at prefill sizes: experts dequantized into the
-    workspace, then the 16-bit wgmma kernel (one launch: every expert fits the default buffer)."""
-    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=kind == "uniform", dtype=dtype)
-    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
-        got = _run_gemm(GPU, p)
-    assert launched.count == 1, "the dequantized prefill path did not run"
-    want = _run_gemm(CPU, p, poison=False)
-    _assert_close(got, want, p["dtype"], f"{scheme} {kind}")
-    last = int(np.asarray(p["off"])[-1])
-    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
 
 
 @requires_prefill

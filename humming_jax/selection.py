@@ -6,14 +6,15 @@ import os
 from typing import Any
 
 from .experts import EXPERT_CLASSES, FusedMoEExperts
+from .ops.gemm import MIN_ROWS_PER_EXPERT
 from .quant_keys import QuantKey
 
 ENV_GEMM_TYPE = "HUMMING_JAX_MOE_GEMM_TYPE"
 _STANDARD_CHOICES = ("indexed", "grouped", "auto")
 # Auto picks the grouped class from this many expected rows per expert on (prefill): there the
-# grouped GEMM runs the tiled wgmma kernel on Hopper (cuda_ffi/gemm_prefill_sm90.h,
-# kMinRowsPerExpert), while fewer rows per expert stream weights best through the indexed class.
-GROUPED_MIN_ROWS_PER_EXPERT = 64
+# grouped GEMM runs the tiled wgmma kernel on Hopper (the kernel's own threshold), while fewer rows
+# per expert stream weights best through the indexed class.
+GROUPED_MIN_ROWS_PER_EXPERT = MIN_ROWS_PER_EXPERT
 
 
 def _standard_preference(prefer: str | None) -> str:

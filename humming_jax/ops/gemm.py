@@ -3,6 +3,7 @@ batched masked. All compute c = a' w'^T (+ bias) in float32 and round to ``out_d
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -101,8 +102,6 @@ def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantiz
     """Workspace bytes ``gemm_grouped`` adds for dequantizing experts (0 when the call cannot take
     that path: 16-bit weights, 8-bit activations, too few rows per expert, K or N not a multiple
     of 8, scale groups that are not whole 8-column runs)."""
-    import os
-
     e, n, k = w.num_experts, w.n, w.k
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
             or e <= 0 or rows < MIN_ROWS_PER_EXPERT * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):

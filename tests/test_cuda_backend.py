@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TOL, nan_out, random_layer
+from graph_replay import replay_both_ways
 
 import humming_jax as hj
 from humming_jax._abi import WeightType
@@ -379,49 +377,9 @@ def test_deterministic_at_larger_shapes(rng, cls):
         np.testing.assert_array_equal(r, runs[0])
 
 
-_GRAPH_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import jax, jax.numpy as jnp, numpy as np
-    import humming_jax as hj
-    from humming_jax.experts import GroupedExperts, IndexedExperts
-    dev = jax.devices()[0]
-    assert hj.cuda_available() or dev.platform == "cpu", hj._ffi.backend_report()
-    rng = np.random.default_rng(7)
-    e, h, i, k, m = 16, 256, 128, 4, 48
-    w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / 16, rng.standard_normal((e, h, i)) / 11,
-                                sys.argv[2])
-    results = []
-    for cls in (IndexedExperts, GroupedExperts):
-        f = jax.jit(lambda o, x, w, tw, ids, cls=cls: cls().apply(o, x, w, tw, ids), donate_argnums=0)
-        out = jnp.full((m, h), jnp.nan, jnp.bfloat16)
-        for step in range(6):  # replays with changing routing and inputs
-            x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
-            ids = jnp.asarray(np.stack([rng.choice(e + 4, k, replace=False) for _ in range(m)]).astype(np.int32))
-            tw = jnp.asarray(rng.random((m, k)).astype(np.float32))
-            out = f(out, x, w, tw, ids)
-            results.append(np.asarray(out.astype(jnp.float32)))
-    np.save(sys.argv[1], np.stack(results))
-    """
-)
-
-
 @pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128"])
 def test_command_buffers_give_the_same_results(tmp_path, scheme):
-    script = tmp_path / "graph_run.py"
-    script.write_text(_GRAPH_SCRIPT)
-    results = {}
-    for name, flags in {
-        "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
-        "plain": "--xla_gpu_enable_command_buffer=",
-    }.items():
-        env = dict(os.environ, XLA_FLAGS=flags)
-        if _STAND_IN:
-            env["JAX_PLATFORMS"] = "cpu"
-        path = tmp_path / f"{name}.npy"
-        proc = subprocess.run([sys.executable, str(script), str(path), scheme], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[name] = np.load(path)
+    results, _ = replay_both_ways(tmp_path, scheme=scheme, classes=("IndexedExperts", "GroupedExperts"), e=16, h=256,
+                                  i=128, k=4, m=48, seed=7, extra_ids=4, w_scale=(16, 11), cpu=_STAND_IN)
     assert np.all(np.isfinite(results["graphs"]))
     np.testing.assert_array_equal(results["graphs"], results["plain"])

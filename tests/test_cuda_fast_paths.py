@@ -9,10 +9,6 @@ built without it. Sections: prefill (CUTLASS grouped GEMM, cuda_ffi/gemm_prefill
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import TOL, nan_out, random_layer
+from graph_replay import replay_both_ways
 
 import humming_jax as hj
 from humming_jax import _ffi
@@ -283,52 +280,14 @@ def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_glo
     assert err <= tol, f"{scheme}: relative error {err:.2e} > {tol:.1e}"
 
 
-_PREFILL_GRAPH_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import jax, jax.numpy as jnp, numpy as np
-    import humming_jax as hj
-    from humming_jax.experts import GroupedExperts
-    assert hj.cuda_available(), hj._ffi.backend_report()
-    launches = hj._ffi.launch_counter("HjPrefillLaunches")
-    rng = np.random.default_rng(11)
-    e, h, i, k, m = 8, 512, 256, 2, 1024
-    w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / 22, rng.standard_normal((e, h, i)) / 16,
-                                sys.argv[2])
-    f = jax.jit(lambda o, x, w, tw, ids: GroupedExperts().apply(o, x, w, tw, ids), donate_argnums=0)
-    out = jnp.full((m, h), jnp.nan, jnp.bfloat16)
-    results = []
-    for step in range(6):  # replays with changing routing and inputs
-        x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
-        ids = jnp.asarray(np.argsort(rng.random((m, e + 2)), axis=1)[:, :k].astype(np.int32))
-        tw = jnp.asarray(rng.random((m, k)).astype(np.float32))
-        out = f(out, x, w, tw, ids)
-        results.append(np.asarray(out.astype(jnp.float32)))
-    np.save(sys.argv[1], np.stack(results))
-    print("launches", launches())
-    """
-)
-
-
 @requires_prefill
 @pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128"])
 def test_prefill_command_buffers_give_the_same_results(tmp_path, scheme):
     """CUDA-graph capture and replay (command buffers on) against plain execution, in fresh
     processes (so the first use of the kernel, with its one-time setup, happens under capture)."""
-    script = tmp_path / "prefill_graph_run.py"
-    script.write_text(_PREFILL_GRAPH_SCRIPT)
-    results, launches = {}, {}
-    for name, flags in {
-        "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
-        "plain": "--xla_gpu_enable_command_buffer=",
-    }.items():
-        env = dict(os.environ, XLA_FLAGS=flags)
-        path = tmp_path / f"{name}.npy"
-        proc = subprocess.run([sys.executable, str(script), str(path), scheme], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[name] = np.load(path)
-        launches[name] = int(proc.stdout.split("launches")[-1])
+    results, launches = replay_both_ways(tmp_path, scheme=scheme, classes=("GroupedExperts",), e=8, h=512, i=256,
+                                         k=2, m=1024, seed=11, extra_ids=2, w_scale=(22, 16),
+                                         counter="HjPrefillLaunches")
     assert launches["plain"] >= 12, launches  # two GEMMs per step
     assert np.all(np.isfinite(results["graphs"]))
     np.testing.assert_array_equal(results["graphs"], results["plain"])
@@ -622,53 +581,14 @@ def test_decode_batched_layer_against_oracle(rng, scheme):
     assert np.all(got[0] == 0.0) and np.all(got[4] == 0.0), "experts with no tokens give zeros"
 
 
-_DECODE_GRAPH_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import jax, jax.numpy as jnp, numpy as np
-    import humming_jax as hj
-    from humming_jax.experts import GroupedExperts, IndexedExperts
-    assert hj.cuda_available(), hj._ffi.backend_report()
-    launches = hj._ffi.launch_counter("HjDecodeLaunches")
-    rng = np.random.default_rng(5)
-    e, h, i, k, m = 32, 512, 256, 4, 4
-    w = hj.quantize_moe_weights(rng.standard_normal((e, 2 * i, h)) / 22, rng.standard_normal((e, h, i)) / 16,
-                                sys.argv[2])
-    results = []
-    for cls in (IndexedExperts, GroupedExperts):
-        f = jax.jit(lambda o, x, w, tw, ids, cls=cls: cls().apply(o, x, w, tw, ids), donate_argnums=0)
-        out = jnp.full((m, h), jnp.nan, jnp.bfloat16)
-        for step in range(6):  # replays with changing routing and inputs
-            x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
-            ids = jnp.asarray(np.argsort(rng.random((m, e + 2)), axis=1)[:, :k].astype(np.int32))
-            tw = jnp.asarray(rng.random((m, k)).astype(np.float32))
-            out = f(out, x, w, tw, ids)
-            results.append(np.asarray(out.astype(jnp.float32)))
-    np.save(sys.argv[1], np.stack(results))
-    print("launches", launches())
-    """
-)
-
-
 @requires_decode
 @pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128"])
 def test_decode_command_buffers_give_the_same_results(tmp_path, scheme):
     """CUDA-graph capture and replay against plain execution, in fresh processes (the kernel's
     first use, with its shared-memory attribute setup, happens under capture)."""
-    script = tmp_path / "decode_graph_run.py"
-    script.write_text(_DECODE_GRAPH_SCRIPT)
-    results, launches = {}, {}
-    for name, flags in {
-        "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
-        "plain": "--xla_gpu_enable_command_buffer=",
-    }.items():
-        env = dict(os.environ, XLA_FLAGS=flags)
-        path = tmp_path / f"{name}.npy"
-        proc = subprocess.run([sys.executable, str(script), str(path), scheme], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[name] = np.load(path)
-        launches[name] = int(proc.stdout.split("launches")[-1])
+    results, launches = replay_both_ways(tmp_path, scheme=scheme, classes=("IndexedExperts", "GroupedExperts"), e=32,
+                                         h=512, i=256, k=4, m=4, seed=5, extra_ids=2, w_scale=(22, 16),
+                                         counter="HjDecodeLaunches")
     assert launches["plain"] >= 24, launches  # two GEMMs per step, two classes
     assert launches["graphs"] >= 4, launches
     assert np.all(np.isfinite(results["graphs"]))

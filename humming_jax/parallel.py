@@ -10,14 +10,17 @@ sharded operands would get an implicit all-gather, SPEC §7). Three layouts:
 - ``ep_moe(mode="all_to_all")`` (prefill): same sharding; each routed row travels to its expert's
   device through a padded ``all_to_all``, lands in the batched format [E_local, T, H] with
   ``expert_num_tokens``, runs through ``BatchedExperts`` and travels back; the finalize custom
-  call combines it with the router weights on the token's own device.
+  call combines it with the router weights on the token's own device. With
+  ``expert_layout="grouped"`` the received rows instead stay one ragged list, sorted by local
+  expert and run through ``GroupedExperts`` (no per-expert capacity: buffers of the rows
+  received, not E_local times a worst case).
 - ``tp_moe`` (few large experts): I sharded, each device computes partial outputs from its slice
   of every expert, one ``psum`` (float32, or the output dtype on two devices).
 
 Numerics against single-device ``fused_moe`` (same weights, routing, CPU or CUDA backend):
 
-- all_to_all: bitwise equal on the CPU backend. Each d row is rounded once to the output dtype,
-  by GEMM loops shared by the batched and standard forms; the weighted sum over k runs in the
+- all_to_all (either expert layout): bitwise equal on the CPU backend. Each d row is rounded once
+  to the output dtype, by GEMM loops shared by the batched and standard forms; the weighted sum over k runs in the
   same finalize kernel, in increasing j. On CUDA the batched and indexed GEMMs share one kernel
   template; where their tiles accumulate K in another order, the result is within the rounding
   of d instead.
@@ -46,13 +49,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .activations import ActivationCode, get_activation
-from .experts import BatchedExperts
+from .experts import BatchedExperts, GroupedExperts
 from .fused_moe import fused_moe
 from .ops import finalize as fin_ops
 from .selection import ENV_GEMM_TYPE
 from .weights import MoEWeights
 
 MODES = ("allgather", "all_to_all")
+EXPERT_LAYOUTS = ("batched", "grouped")  # of the received rows in all_to_all mode
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -180,6 +184,7 @@ def ep_moe(
     activation_limit: float | None = None,
     gemm_type: str | None = None,
     expert_capacity: int | None = None,
+    expert_layout: str = "batched",
 ) -> jax.Array:
     """Expert-parallel MoE over mesh axis ``axis``; returns [M, H] like ``fused_moe`` on one device.
 
@@ -190,7 +195,10 @@ def ep_moe(
     numerics of each. ``gemm_type`` picks the standard-format class in allgather mode.
     ``expert_capacity`` (all_to_all only) bounds the rows per local expert in the batched
     buffer; None is the no-drop worst case (every routed row of the layer, M*k) — a smaller
-    value saves memory but drops the rows past it (they contribute nothing). Works under jit.
+    value saves memory but drops the rows past it (they contribute nothing). ``expert_layout``
+    (all_to_all only): "batched" (the rows of each local expert in [E_local, capacity, H]) or
+    "grouped" (the received rows sorted by local expert, no capacity, nothing dropped). Works
+    under jit.
     """
     _check_moe_weights(weights)
     _check_tokens(hidden_states, topk_weights, topk_ids)
@@ -201,8 +209,13 @@ def ep_moe(
     e = weights.num_experts
     if e % n:
         raise ValueError(f"{e} experts do not split evenly over mesh axis {axis!r} of size {n}")
-    if expert_capacity is not None and (mode != "all_to_all" or int(expert_capacity) < 1):
-        raise ValueError("expert_capacity is a positive row count, used by mode='all_to_all' only")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    if expert_layout != "batched" and mode != "all_to_all":
+        raise ValueError("expert_layout applies to mode='all_to_all' only")
+    if expert_capacity is not None and (mode != "all_to_all" or expert_layout != "batched" or int(expert_capacity) < 1):
+        raise ValueError("expert_capacity is a positive row count, used by mode='all_to_all' with the batched "
+                         "expert layout only")
     ids = jnp.asarray(topk_ids)
     if jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(f"topk_ids must be int32, got {jnp.dtype(ids.dtype).name}")
@@ -213,13 +226,14 @@ def ep_moe(
     return _ep_moe(
         hidden_states, weights, jnp.asarray(topk_weights, jnp.float32), ids, mesh=mesh, axis=axis, mode=mode,
         activation=activation, limit=activation_limit, gemm_type=gemm_type, capacity=expert_capacity,
+        layout=expert_layout,
     )
 
 
-@partial(jax.jit, static_argnames=("mesh", "axis", "mode", "activation", "limit", "gemm_type", "capacity"))
+@partial(jax.jit, static_argnames=("mesh", "axis", "mode", "activation", "limit", "gemm_type", "capacity", "layout"))
 def _ep_moe(
     x: jax.Array, weights: MoEWeights, tw: jax.Array, ids: jax.Array, *, mesh: Mesh, axis: str, mode: str,
-    activation: str, limit: float | None, gemm_type: str | None, capacity: int | None,
+    activation: str, limit: float | None, gemm_type: str | None, capacity: int | None, layout: str,
 ) -> jax.Array:
     # Jitted so that eager callers run one compiled program (inlined under an outer jit).
     n = int(mesh.shape[axis])
@@ -228,7 +242,7 @@ def _ep_moe(
     if mode == "allgather":
         body = _allgather_body(gemm_type=gemm_type, **common)
     else:
-        body = _all_to_all_body(capacity=capacity, **common)
+        body = _all_to_all_body(capacity=capacity, layout=layout, **common)
     tok = P(axis)
     out = _run_sharded(body, mesh, (tok, tok, tok, _leaf_specs(weights, P(axis))), tok, x, tw, ids, weights)
     return out[:m] if out.shape[0] != m else out
@@ -250,7 +264,8 @@ def _allgather_body(*, axis: str, n: int, e_global: int, activation: str, limit:
     return body
 
 
-def _all_to_all_body(*, axis: str, n: int, e_global: int, activation: str, limit: float | None, capacity: int | None) -> Any:
+def _all_to_all_body(*, axis: str, n: int, e_global: int, activation: str, limit: float | None, capacity: int | None,
+                     layout: str) -> Any:
     def body(x: jax.Array, tw: jax.Array, ids: jax.Array, w: MoEWeights) -> jax.Array:
         m_loc, k = ids.shape
         h = x.shape[1]
@@ -269,23 +284,33 @@ def _all_to_all_body(*, axis: str, n: int, e_global: int, activation: str, limit
         recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=True)  # [n (source), c1, H]
         recv_slot = jax.lax.all_to_all(send_slot, axis, 0, 0, tiled=True)
 
-        # Batched format on the expert's device: rows grouped by local expert, source order kept.
         r2 = n * c1
-        t_cap = r2 if capacity is None else min(int(capacity), r2)
-        keys2 = jnp.where(recv_slot >= 0, recv_slot, e_loc).reshape(r2)
-        src2, counts2, pos2 = _bucket(keys2, e_loc, t_cap)
         rows = recv_x.reshape(r2, h)
-        batched = _with_zero_row(rows)[src2]  # [e_loc, t_cap, H]
-        num_tokens = jnp.minimum(counts2, t_cap).astype(jnp.int32)
-        y = BatchedExperts().apply(
-            jnp.zeros(batched.shape, batched.dtype), batched, w, None, None,
-            activation=activation, expert_num_tokens=num_tokens, activation_limit=limit,
-        )
+        if layout == "grouped":
+            # One ragged list: the received rows as tokens of top-1 routing to their local expert
+            # (empty slots route nowhere and come back as zeros), weight 1 (exact: each row is its
+            # d row), through the grouped GEMMs, in received order.
+            y = GroupedExperts().apply(
+                jnp.zeros(rows.shape, rows.dtype), rows, w, jnp.ones((r2, 1), jnp.float32), recv_slot.reshape(r2, 1),
+                activation=activation, activation_limit=limit,
+            )
+            back = y.reshape(n, c1, h)
+        else:
+            # Batched format on the expert's device: rows grouped by local expert, source order kept.
+            t_cap = r2 if capacity is None else min(int(capacity), r2)
+            keys2 = jnp.where(recv_slot >= 0, recv_slot, e_loc).reshape(r2)
+            src2, counts2, pos2 = _bucket(keys2, e_loc, t_cap)
+            batched = _with_zero_row(rows)[src2]  # [e_loc, t_cap, H]
+            num_tokens = jnp.minimum(counts2, t_cap).astype(jnp.int32)
+            y = BatchedExperts().apply(
+                jnp.zeros(batched.shape, batched.dtype), batched, w, None, None,
+                activation=activation, expert_num_tokens=num_tokens, activation_limit=limit,
+            )
+            kept = (keys2 < e_loc) & (pos2 < t_cap)
+            flat_y = _with_zero_row(y.reshape(e_loc * t_cap, h))
+            back = flat_y[jnp.where(kept, keys2 * t_cap + pos2, e_loc * t_cap)].reshape(n, c1, h)
 
         # Back to the source devices, then the weighted sum over k in the finalize kernel.
-        kept = (keys2 < e_loc) & (pos2 < t_cap)
-        flat_y = _with_zero_row(y.reshape(e_loc * t_cap, h))
-        back = flat_y[jnp.where(kept, keys2 * t_cap + pos2, e_loc * t_cap)].reshape(n, c1, h)
         ret = jax.lax.all_to_all(back, axis, 0, 0, tiled=True)  # [n (expert device), c1, H]
         d = _with_zero_row(ret.reshape(n * c1, h))[jnp.where(valid, dest * c1 + pos1, n * c1)]
         src_rows = jnp.where(valid, jnp.arange(r1, dtype=jnp.int32), -1).reshape(m_loc, k)

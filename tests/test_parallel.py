@@ -264,6 +264,27 @@ def ep_expert_capacity(n: int) -> None:
 
 
 @check
+def ep_all_to_all_grouped_layout(n: int) -> None:
+    """The ragged (grouped) layout of the received rows: the same results as single-device
+    fused_moe for random routing, every routed row on one device, a quantized scheme and another
+    activation."""
+    x, w, tw, ids = ep_layer(n, 1)
+    mesh = mesh_of(n)
+    want = single_device(hj.fused_moe, x, w, tw, ids)
+    bitwise(run_ep(x, w, tw, ids, mesh, "all_to_all", expert_layout="grouped"), want, "grouped layout")
+    crowd = np.full(ids.shape, 2, np.int32)  # expert 2 lives on device 1
+    crowd[np.random.default_rng(22).random(ids.shape) < 0.2] = 3
+    crowd = jnp.asarray(crowd)
+    bitwise(run_ep(x, w, tw, crowd, mesh, "all_to_all", expert_layout="grouped"),
+            single_device(hj.fused_moe, x, w, tw, crowd), "grouped layout, every row on one device")
+    xq, wq, twq, idq = ep_layer(n, 4, scheme="w8a8-fp8-block128", h=128, i=128, m_per=4)
+    bitwise(run_ep(xq, wq, twq, idq, mesh, "all_to_all", expert_layout="grouped"),
+            single_device(hj.fused_moe, xq, wq, twq, idq), "grouped layout, fp8 block")
+    bitwise(run_ep(x, w, tw, ids, mesh, "all_to_all", expert_layout="grouped", activation="gelu"),
+            single_device(hj.fused_moe, x, w, tw, ids, activation="gelu"), "grouped layout, gelu")
+
+
+@check
 def ep_mesh_kinds_eager_and_jit(n: int) -> None:
     """Auto and Explicit meshes, inside and outside jax.set_mesh, eager and jitted, with
     weights sharded or not: same bits."""
@@ -386,8 +407,8 @@ def hlo_ep_collectives(n: int) -> None:
     mesh = mesh_of(n)
     ws = par.shard_moe_weights(w, mesh)
     m, k = ids.shape
-    for mode in par.MODES:
-        f = jax.jit(lambda x, w, tw, ids: par.ep_moe(x, w, tw, ids, mesh=mesh, mode=mode))
+    for mode, layout in [(mode, "batched") for mode in par.MODES] + [("all_to_all", "grouped")]:
+        f = jax.jit(lambda x, w, tw, ids: par.ep_moe(x, w, tw, ids, mesh=mesh, mode=mode, expert_layout=layout))
         hlo = f.lower(x, ws, tw, ids).compile().as_text()
         kinds = collectives(hlo)
         assert hlo.count("custom_call_target=\"humming_jax.") >= 4, "the expert custom calls are missing"
@@ -443,6 +464,11 @@ def errors_are_clear(n: int) -> None:
     raises(ValueError, "no axis 'tp'", lambda: par.shard_moe_weights(w, mesh, "tp"))
     w_even = weights_for(rng, 2 * n, 64, 8 * n)
     raises(ValueError, "mode must be", lambda: par.ep_moe(x, w_even, tw, ids, mesh=mesh, mode="ring"))
+    raises(ValueError, "expert_layout must be", lambda: par.ep_moe(x, w_even, tw, ids, mesh=mesh, mode="all_to_all",
+                                                                   expert_layout="ragged"))
+    raises(ValueError, "all_to_all' only", lambda: par.ep_moe(x, w_even, tw, ids, mesh=mesh, expert_layout="grouped"))
+    raises(ValueError, "batched expert layout only", lambda: par.ep_moe(
+        x, w_even, tw, ids, mesh=mesh, mode="all_to_all", expert_layout="grouped", expert_capacity=4))
     raises(TypeError, "shard_moe_weights_tp", lambda: par.tp_moe(x, w_even, tw, ids, mesh=mesh, axis="ep"))
     wt = par.shard_moe_weights_tp(w_even, mesh, "ep")
     raises(ValueError, "layout", lambda: par.tp_moe(x, wt, tw, ids, mesh=mesh, axis="ep", activation="swigluoai"))

@@ -5,7 +5,8 @@ after warm-up, rotating among --sets input sets:
 - ``humming_jax``: single-device ``fused_moe`` on the first GPU (the baseline);
 - ``humming_jax/ep_allgather``, ``humming_jax/ep_all_to_all`` (no-drop capacity M*k),
   ``humming_jax/ep_all_to_all_cap`` (expert_capacity = M: no drop, because the routing
-  has k distinct experts per token) and ``humming_jax/tp``, over all --devices GPUs;
+  has k distinct experts per token), ``humming_jax/ep_all_to_all_grouped`` (the received rows
+  as one ragged list through the grouped GEMMs) and ``humming_jax/tp``, over all --devices GPUs;
 and, for each parallel mode, a program running only that mode's collectives with the same
 shapes and dtypes, whose time over the layer time is reported as the collective share (an
 estimate: it ignores any overlap of collectives with compute). Each parallel result is
@@ -49,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sets", type=int, default=3, help="input sets to rotate among")
-    p.add_argument("--modes", default="allgather,all_to_all,all_to_all_cap,tp")
+    p.add_argument("--modes", default="allgather,all_to_all,all_to_all_cap,all_to_all_grouped,tp")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/h200/parallel_<time>.json)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU host devices (checks the script)")
     args = p.parse_args()
@@ -166,7 +167,8 @@ def main() -> None:
                         fn = jax.jit(lambda x, w, tw, ids: par.tp_moe(x, w, tw, ids, mesh=mesh, axis=axis))
                         wts = w_tp
                     else:
-                        kw = dict(mode="all_to_all", expert_capacity=m) if mode == "all_to_all_cap" else dict(mode=mode)
+                        kw = {"all_to_all_cap": dict(mode="all_to_all", expert_capacity=m),
+                              "all_to_all_grouped": dict(mode="all_to_all", expert_layout="grouped")}.get(mode, dict(mode=mode))
                         fn = jax.jit(lambda x, w, tw, ids, kw=kw: par.ep_moe(x, w, tw, ids, mesh=mesh, axis=axis, **kw))
                         wts = w_ep
                     p_sets = [(x, wts, tw, ids) for x, tw, ids in sets]
@@ -183,7 +185,7 @@ def main() -> None:
                     rel = hj.reference.relative_error(got, base_out) if m else 0.0
                     rows.append(dict(system=f"humming_jax/{mode}", devices=n, median_ms=ms, collective_ms=coll_ms,
                                      collective_share=coll_ms / ms, max_abs_diff=diff, rel_err=rel, **common))
-                    print(f"  {mode:15s} {ms:8.3f} ms  ({base_ms / ms:4.2f}x single)  collectives {coll_ms:7.3f} ms "
+                    print(f"  {mode:18s} {ms:8.3f} ms  ({base_ms / ms:4.2f}x single)  collectives {coll_ms:7.3f} ms "
                           f"({100 * coll_ms / ms:4.1f}%)  max|diff| {diff:.3g} rel {rel:.2e}", flush=True)
 
     out = Path(args.out) if args.out else (

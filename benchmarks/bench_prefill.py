@@ -28,15 +28,11 @@ import humming_jax as hj
 from humming_jax._abi import WeightType
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.weights import PackedWeight
+import moe_setup
 from timing import median_ms
 
-SHAPES = {  # E, top-k, H, I (BENCH.md)
-    "mixtral-8x7b": (8, 2, 4096, 14336),
-    "qwen3-30b-a3b": (128, 8, 2048, 768),
-    "deepseek-v3-ep8": (32, 8, 7168, 2048),
-    "gpt-oss-120b": (128, 4, 2880, 2880),
-    "tiny": (8, 2, 256, 128),  # smoke runs
-}
+# E, top-k, H, I: BENCH.md's shapes (moe_setup), and a tiny one for smoke runs.
+SHAPES = {**{s: moe_setup.SHAPES[s] for s in moe_setup.MATRIX_SHAPES}, "tiny": (8, 2, 256, 128)}
 STEPS = 5
 
 

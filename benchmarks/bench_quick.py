@@ -27,7 +27,9 @@ from humming_jax.experts import GroupedExperts, IndexedExperts
 from humming_jax.quantize import W_BF16, W_INT4_G128
 from humming_jax.weights import MoEWeights, PackedWeight
 
-SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "tiny": (8, 2, 256, 128)}
+import moe_setup
+
+SHAPES = {**{s: moe_setup.SHAPES[s] for s in ("qwen3-30b-a3b", "mixtral-8x7b")}, "tiny": (8, 2, 256, 128)}
 DEFAULT_SHAPES = "qwen3-30b-a3b,mixtral-8x7b"
 FORMATS = ("bf16", "w4a16")
 TOKENS = (1, 16, 1024)

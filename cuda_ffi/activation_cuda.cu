@@ -2,7 +2,11 @@
 // quantization of 16-bit activations. Element values come from moe_contract.h, as on the CPU
 // (activation_cpu.cc): the activation in float32, then rounded (activation) or quantized from the
 // float32 value (activation_quant) with scale = absmax / qmax per row or per group of columns.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
@@ -34,6 +38,220 @@ __global__ void activation_kernel(const void* __restrict__ x, void* __restrict__
     store_elem(XT, y, idx, act_at<XT>(act, limit, x, r, N1, I, i));
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Vectorized kernels: a thread owns 8 consecutive output columns of a row (16-byte loads of the
+// gate and up halves, a 16-byte or 8-byte store) and keeps the activated values in registers
+// between the group maximum and the codes. Taken when I % 8 == 0 and the buffers are 16-byte
+// aligned (every layer shape); 32-bit indexing (the host checks R * I / 8 < 2^31). The element
+// values are the scalar kernels' (the same contract functions), only the traffic differs.
+// ---------------------------------------------------------------------------------------------
+constexpr int kVec = 8;
+constexpr int kVecThreads = 256;
+
+template <ElemType XT>
+__device__ __forceinline__ float half_to_float(uint32_t h) {
+  if constexpr (XT == ElemType::kBF16)
+    return __uint_as_float(h << 16);
+  else
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+
+template <ElemType XT>
+__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[kVec]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
+    v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
+  }
+}
+
+// Output columns i0 .. i0 + 7 of the row starting at xr (N1 columns): activated, in float32.
+template <ElemType XT>
+__device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, int I, int i0, float (&v)[kVec]) {
+  if (act < 0) {
+    load8<XT>(xr + i0, v);
+    return;
+  }
+  const Activation a = static_cast<Activation>(act);
+  if (!activation_is_gated(a)) {
+    load8<XT>(xr + i0, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = activation_single(a, v[e]);
+    return;
+  }
+  float g[kVec], u[kVec];
+  if (a == Activation::kSwigluOai) {  // interleaved: gate 2i, up 2i + 1
+    float p0[kVec], p1[kVec];
+    load8<XT>(xr + 2 * i0, p0);
+    load8<XT>(xr + 2 * i0 + kVec, p1);
+#pragma unroll
+    for (int e = 0; e < kVec / 2; ++e) {
+      g[e] = p0[2 * e];
+      u[e] = p0[2 * e + 1];
+      g[e + kVec / 2] = p1[2 * e];
+      u[e + kVec / 2] = p1[2 * e + 1];
+    }
+  } else {  // halves: gate i, up I + i
+    load8<XT>(xr + i0, g);
+    load8<XT>(xr + I + i0, u);
+  }
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) v[e] = activation_gated(a, g[e], u[e], limit);
+}
+
+template <ElemType XT>
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  if constexpr (XT == ElemType::kBF16)
+    return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+  else
+    return static_cast<uint32_t>(float_to_f16(lo)) | (static_cast<uint32_t>(float_to_f16(hi)) << 16);
+}
+
+template <ElemType QT>
+__device__ __forceinline__ uint32_t code_byte(float v, float s) {
+  const float c = quant_code_value(v, s);
+  if constexpr (QT == ElemType::kE4M3) {
+    return float_to_e4m3(c);
+  } else {
+    float r = rintf(c);
+    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+    return static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(r)));
+  }
+}
+
+template <ElemType XT>
+__global__ void __launch_bounds__(kVecThreads)
+    activation_vec_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ y, int act, float limit,
+                          uint32_t total, int N1, int I) {
+  const uint32_t i8 = static_cast<uint32_t>(I / kVec);
+  for (uint32_t idx = blockIdx.x * kVecThreads + threadIdx.x; idx < total; idx += gridDim.x * kVecThreads) {
+    const uint32_t r = idx / i8, i0 = (idx - r * i8) * kVec;
+    float v[kVec];
+    act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, I, static_cast<int>(i0), v);
+    uint4 o;
+    o.x = pack_half2<XT>(v[0], v[1]);
+    o.y = pack_half2<XT>(v[2], v[3]);
+    o.z = pack_half2<XT>(v[4], v[5]);
+    o.w = pack_half2<XT>(v[6], v[7]);
+    *reinterpret_cast<uint4*>(y + static_cast<size_t>(idx) * kVec) = o;
+  }
+}
+
+// Scale groups of TPG * 8 columns: TPG neighbouring lanes of a warp hold one group (I is a
+// multiple of the group, so groups never straddle rows and the flat index of a thread's first
+// column over 8 is its group's index times TPG plus its place in it). The loop runs warp-uniformly
+// so every lane takes part in the shuffles; lanes past the end carry zeros and store nothing.
+template <ElemType XT, ElemType QT, int TPG>
+__global__ void __launch_bounds__(kVecThreads)
+    group_quant_vec_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scale,
+                           int act, float limit, uint32_t total, int N1, int K) {
+  constexpr ActQuant kind = QT == ElemType::kE4M3 ? ActQuant::kFp8E4M3 : ActQuant::kInt8;
+  const uint32_t k8 = static_cast<uint32_t>(K / kVec);
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t warp_base = (blockIdx.x * kVecThreads + threadIdx.x) & ~31u;
+  for (uint32_t base = warp_base; base < total; base += gridDim.x * kVecThreads) {
+    const uint32_t idx = base + lane;
+    const bool ok = idx < total;
+    float v[kVec];
+    float m = 0.0f;
+    if (ok) {
+      const uint32_t r = idx / k8, i0 = (idx - r * k8) * kVec;
+      act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, K, static_cast<int>(i0), v);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) m = fmaxf(m, fabsf(v[e]));
+    }
+#pragma unroll
+    for (int o = TPG / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (!ok) continue;
+    const float s = quant_scale(kind, m);
+    if (idx % TPG == 0) scale[idx / TPG] = s;
+    uint2 o;
+    o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
+          (code_byte<QT>(v[3], s) << 24);
+    o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
+          (code_byte<QT>(v[7], s) << 24);
+    *reinterpret_cast<uint2*>(q + static_cast<size_t>(idx) * kVec) = o;
+  }
+}
+
+// One scale per row: one block per row, two vectorized passes (maximum, then codes); the second
+// pass recomputes the activation from the row just read, which the L2 still holds.
+template <ElemType XT, ElemType QT>
+__global__ void __launch_bounds__(kVecThreads)
+    row_quant_vec_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scale, int act,
+                         float limit, int N1, int K) {
+  constexpr ActQuant kind = QT == ElemType::kE4M3 ? ActQuant::kFp8E4M3 : ActQuant::kInt8;
+  __shared__ float s_max[kVecThreads / 32];
+  const uint16_t* xr = x + static_cast<size_t>(blockIdx.x) * N1;
+  uint8_t* qr = q + static_cast<size_t>(blockIdx.x) * K;
+  const int k8 = K / kVec;
+  float m = 0.0f;
+  for (int c = threadIdx.x; c < k8; c += kVecThreads) {
+    float v[kVec];
+    act8<XT>(act, limit, xr, K, c * kVec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) m = fmaxf(m, fabsf(v[e]));
+  }
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) s_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kVecThreads / 32; ++w) m = fmaxf(m, s_max[w]);
+  const float s = quant_scale(kind, m);
+  if (threadIdx.x == 0) scale[blockIdx.x] = s;
+  for (int c = threadIdx.x; c < k8; c += kVecThreads) {
+    float v[kVec];
+    act8<XT>(act, limit, xr, K, c * kVec, v);
+    uint2 o;
+    o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
+          (code_byte<QT>(v[3], s) << 24);
+    o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
+          (code_byte<QT>(v[7], s) << 24);
+    *reinterpret_cast<uint2*>(qr + c * kVec) = o;
+  }
+}
+
+// Whether the vectorized kernels apply: whole 8-column vectors, 16-byte aligned rows, 32-bit indices.
+inline bool vec_ok(const void* x, const void* out, int64_t R, int64_t N1, int64_t I) {
+  return I % kVec == 0 && N1 % kVec == 0 && aligned_to(x, 16) && aligned_to(out, 16) && R * (I / kVec) < INT32_MAX &&
+         N1 < INT32_MAX;
+}
+
+template <ElemType XT, ElemType QT, int TPG>
+void launch_group_vec(cudaStream_t stream, const void* x, void* q, float* sc, int act, float limit, int64_t R,
+                      int64_t N1, int64_t K) {
+  const uint32_t total = static_cast<uint32_t>(R * (K / kVec));
+  group_quant_vec_kernel<XT, QT, TPG><<<grid_for(total, kVecThreads, 8192), kVecThreads, 0, stream>>>(
+      static_cast<const uint16_t*>(x), static_cast<uint8_t*>(q), sc, act, limit, total, static_cast<int>(N1),
+      static_cast<int>(K));
+}
+
+// The vectorized quantization for this group size, or false (scalar kernel then).
+template <ElemType XT, ElemType QT>
+bool launch_quant_vec(cudaStream_t stream, const void* x, void* q, float* sc, int act, float limit, int64_t R,
+                      int64_t N1, int64_t K, int64_t group_k) {
+  if (!vec_ok(x, q, R, N1, K)) return false;
+  if (group_k == 0 || group_k >= K) {
+    row_quant_vec_kernel<XT, QT><<<static_cast<unsigned>(R), kVecThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(x), static_cast<uint8_t*>(q), sc, act, limit, static_cast<int>(N1),
+        static_cast<int>(K));
+    return true;
+  }
+  switch (group_k) {
+    case 8: launch_group_vec<XT, QT, 1>(stream, x, q, sc, act, limit, R, N1, K); return true;
+    case 16: launch_group_vec<XT, QT, 2>(stream, x, q, sc, act, limit, R, N1, K); return true;
+    case 32: launch_group_vec<XT, QT, 4>(stream, x, q, sc, act, limit, R, N1, K); return true;
+    case 64: launch_group_vec<XT, QT, 8>(stream, x, q, sc, act, limit, R, N1, K); return true;
+    case 128: launch_group_vec<XT, QT, 16>(stream, x, q, sc, act, limit, R, N1, K); return true;
+    case 256: launch_group_vec<XT, QT, 32>(stream, x, q, sc, act, limit, R, N1, K); return true;
+    default: return false;
+  }
+}
+
 
 constexpr int kQuantThreads = 256;
 
@@ -86,6 +304,12 @@ Error launch_quant(const std::string& call, cudaStream_t stream, const AnyBuffer
   if (R > INT32_MAX) return invalid(call, "too many rows");
   const unsigned grid = static_cast<unsigned>(R);
   float* sc = static_cast<float*>(scale.untyped_data());
+  const bool vec = kind == ActQuant::kFp8E4M3
+                       ? launch_quant_vec<XT, ElemType::kE4M3>(stream, x.untyped_data(), q.untyped_data(), sc, act,
+                                                                 limit, R, N1, K, group_k)
+                       : launch_quant_vec<XT, ElemType::kI8>(stream, x.untyped_data(), q.untyped_data(), sc, act,
+                                                               limit, R, N1, K, group_k);
+  if (vec) return launch_status(call, "quant_vec_kernel");
   if (kind == ActQuant::kFp8E4M3)
     quant_kernel<XT, ElemType::kE4M3><<<grid, kQuantThreads, 0, stream>>>(x.untyped_data(), q.untyped_data(), sc,
                                                                            act, limit, N1, K, group_k);
@@ -101,10 +325,23 @@ Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int6
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
   if (s.R * s.I == 0) return Error::Success();
+  const int act = static_cast<int>(activation);
+  const bool f16 = elem_type_of(x.element_type()) == ElemType::kF16;
+  if (vec_ok(x.untyped_data(), y->untyped_data(), s.R, s.N1, s.I)) {
+    const uint32_t total = static_cast<uint32_t>(s.R * (s.I / kVec));
+    const unsigned grid = grid_for(total, kVecThreads, 8192);
+    const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+    auto* yp = static_cast<uint16_t*>(y->untyped_data());
+    const int n1 = static_cast<int>(s.N1), i = static_cast<int>(s.I);
+    if (f16)
+      activation_vec_kernel<ElemType::kF16><<<grid, kVecThreads, 0, stream>>>(xp, yp, act, limit, total, n1, i);
+    else
+      activation_vec_kernel<ElemType::kBF16><<<grid, kVecThreads, 0, stream>>>(xp, yp, act, limit, total, n1, i);
+    return launch_status(call, "activation_vec_kernel");
+  }
   const int threads = 256;
   const unsigned grid = grid_for(s.R * s.I, threads, 8192);
-  const int act = static_cast<int>(activation);
-  if (elem_type_of(x.element_type()) == ElemType::kF16)
+  if (f16)
     activation_kernel<ElemType::kF16><<<grid, threads, 0, stream>>>(x.untyped_data(), y->untyped_data(), act, limit,
                                                                     s.R, s.N1, s.I);
   else

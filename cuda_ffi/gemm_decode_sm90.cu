@@ -203,6 +203,11 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       wk = c;
     }
   }
+  // HUMMING_JAX_DECODE_WK=1|2|4|8 forces the K split where it fits (for tuning measurements).
+  if (const char* v = std::getenv("HUMMING_JAX_DECODE_WK"); v && *v) {
+    const int c = std::atoi(v);
+    if ((c == 1 || c == 2 || c == 4 || c == 8) && (c == 1 || c <= D.nc) && smem_for(c) <= kMaxDynamicSmem) wk = c;
+  }
   D.wk = wk;
   D.wn = kWarps / wk;
   D.bn = D.wn * kRowsPerWarp;

@@ -29,13 +29,43 @@ bool disabled_by_env() {
   const char* v = std::getenv("HUMMING_JAX_PREFILL");
   return v != nullptr && std::strcmp(v, "0") == 0;
 }
+
+// HUMMING_JAX_PREFILL_TILE=64 or 128: the tile height regardless of rows per expert (0: by shape).
+int tile_rows_from_env() {
+  const char* v = std::getenv("HUMMING_JAX_PREFILL_TILE");
+  if (v == nullptr) return 0;
+  if (std::strcmp(v, "64") == 0) return 64;
+  if (std::strcmp(v, "128") == 0) return 128;
+  return 0;
+}
 }  // namespace
+
+Kind narrow_kind(Kind k) {
+  switch (k) {
+    case Kind::kBf16: return Kind::kBf16M64;
+    case Kind::kF16: return Kind::kF16M64;
+    case Kind::kFp8Block128: return Kind::kFp8Block128M64;
+    default: return k;
+  }
+}
+
+Kind wide_kind(Kind k) {
+  switch (k) {
+    case Kind::kBf16M64: return Kind::kBf16;
+    case Kind::kF16M64: return Kind::kF16;
+    case Kind::kFp8Block128M64: return Kind::kFp8Block128;
+    default: return k;
+  }
+}
 
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::kBf16: return "bf16";
     case Kind::kF16: return "fp16";
     case Kind::kFp8Block128: return "fp8-block128";
+    case Kind::kBf16M64: return "bf16-m64";
+    case Kind::kF16M64: return "fp16-m64";
+    case Kind::kFp8Block128M64: return "fp8-block128-m64";
     default: return "none";
   }
 }
@@ -66,7 +96,8 @@ bool current_device(DeviceInfo* info) {
   return true;
 }
 
-Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
+namespace {
+Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   const WeightView& w = p.w;
   const int64_t E = w.E, N = p.N, K = p.K;
   if (!dev.sm90 || dev.sm_count <= 0) return Kind::kNone;
@@ -98,6 +129,16 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
     return Kind::kFp8Block128;
   return Kind::kNone;
 }
+}  // namespace
+
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
+  const Kind wide = choose_wide(p, R, dev);
+  if (wide == Kind::kNone) return wide;
+  const int forced = tile_rows_from_env();
+  if (forced == 128) return wide;
+  if (forced == 64 || R < kWideRowsPerExpert * p.w.E) return narrow_kind(wide);
+  return wide;
+}
 
 size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
   size_t n = 0;
@@ -105,6 +146,9 @@ size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
     case Kind::kBf16: n = workspace_bytes_bf16(E, sm_count); break;
     case Kind::kF16: n = workspace_bytes_f16(E, sm_count); break;
     case Kind::kFp8Block128: n = workspace_bytes_fp8_block128(E, sm_count); break;
+    case Kind::kBf16M64: n = workspace_bytes_bf16_m64(E, sm_count); break;
+    case Kind::kF16M64: n = workspace_bytes_f16_m64(E, sm_count); break;
+    case Kind::kFp8Block128M64: n = workspace_bytes_fp8_block128_m64(E, sm_count); break;
     default: return 0;
   }
   return n + kWorkspaceAlign;
@@ -126,6 +170,9 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kBf16: err = run_bf16(a, dev, stream); break;
     case Kind::kF16: err = run_f16(a, dev, stream); break;
     case Kind::kFp8Block128: err = run_fp8_block128(a, dev, stream); break;
+    case Kind::kBf16M64: err = run_bf16_m64(a, dev, stream); break;
+    case Kind::kF16M64: err = run_f16_m64(a, dev, stream); break;
+    case Kind::kFp8Block128M64: err = run_fp8_block128_m64(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())
@@ -193,7 +240,8 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   g.workspace_bytes = ws_bytes;
   // The 16-bit kinds with quantized weights run on dequantized chunks (fp8 block weights keep
   // their codes: the fp8 kind scales them in the mainloop).
-  if ((kind == Kind::kBf16 || kind == Kind::kF16) && p.w.type != WeightType::kFloat)
+  const Kind wk = wide_kind(kind);
+  if ((wk == Kind::kBf16 || wk == Kind::kF16) && p.w.type != WeightType::kFloat)
     return run_dequantized(call, g, p, dev, stream, handled);
   *handled = true;
   return run_grouped(call, g, dev, stream);

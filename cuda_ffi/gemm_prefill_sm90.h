@@ -25,7 +25,16 @@ enum class Kind : int {
   kBf16 = 1,          // bf16 activations x bf16 weights -> bf16
   kF16 = 2,           // fp16 x fp16 -> fp16
   kFp8Block128 = 3,   // fp8 e4m3 codes, 1x128 activation and 128x128 weight f32 scales -> bf16
+  // The same three on 64-row pingpong tiles, for experts of kMinRowsPerExpert to
+  // kWideRowsPerExpert rows on average.
+  kBf16M64 = 4,
+  kF16M64 = 5,
+  kFp8Block128M64 = 6,
 };
+
+// The kind on 64-row tiles of a 128-row kind, and back.
+Kind narrow_kind(Kind k);
+Kind wide_kind(Kind k);
 
 const char* kind_name(Kind k);
 
@@ -40,9 +49,11 @@ constexpr size_t kWorkspacePerExpert = 256;
 // the generic kernel.
 constexpr int64_t kMaxExperts = 8192;
 // Rows per expert (R / E, known on the host from shapes alone) from which the prefill kernel is
-// chosen over the generic one: below it most of a 128-row tile would be padding. To be tuned on
-// the H200 (benchmarks/NOTES.md).
-constexpr int64_t kMinRowsPerExpert = 64;
+// chosen over the generic one (at least half of a 64-row tile used), and from which it runs on
+// 128-row tiles instead of 64-row ones (benchmarks/NOTES.md, v4). HUMMING_JAX_PREFILL_TILE=64 or
+// 128 forces one tile height at run time (for A/B measurements).
+constexpr int64_t kMinRowsPerExpert = 32;
+constexpr int64_t kWideRowsPerExpert = 128;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {
@@ -101,9 +112,15 @@ std::string dequantize_experts(const GemmProblem& p, int64_t e0, int64_t experts
 size_t workspace_bytes_bf16(int64_t E, int sm_count);
 size_t workspace_bytes_f16(int64_t E, int sm_count);
 size_t workspace_bytes_fp8_block128(int64_t E, int sm_count);
+size_t workspace_bytes_bf16_m64(int64_t E, int sm_count);
+size_t workspace_bytes_f16_m64(int64_t E, int sm_count);
+size_t workspace_bytes_fp8_block128_m64(int64_t E, int sm_count);
 std::string run_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_f16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_fp8_block128(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_bf16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_f16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_fp8_block128_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace hj

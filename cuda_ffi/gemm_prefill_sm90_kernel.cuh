@@ -1,6 +1,6 @@
 // The prefill grouped GEMM, one template for every kind (gemm_prefill_sm90.h): CUTLASS's
-// persistent, warp-specialized (one TMA producer warpgroup, two cooperative wgmma consumer
-// warpgroups) ptr-array mainloop over a device-side group scheduler, with our own setup kernel,
+// persistent, warp-specialized (one TMA producer warpgroup, two wgmma consumer warpgroups,
+// cooperative or pingpong) ptr-array mainloop over a device-side group scheduler, with our own setup kernel,
 // workspace layout, epilogue (acc + per-expert bias) and launch. Included once per translation
 // unit (gemm_prefill_sm90_<kind>.cu), each instantiating one configuration, so a change to one
 // kind recompiles one file and the files build in parallel.
@@ -43,14 +43,31 @@ namespace detail {
 
 using namespace cute;
 
-// One configuration: element types, whether fp8 block scales apply, tile and cluster shapes.
-template <class ElementAB_, class ElementD_, bool kBlockScaled_, class TileShape_, class ClusterShape_>
+// One configuration: element types, whether fp8 block scales apply, tile and cluster shapes, and
+// the consumer schedule: cooperative (two warpgroups split one 128-row tile) or pingpong (each
+// warpgroup owns a whole 64-row tile and the two alternate mainloop and epilogue).
+template <class ElementAB_, class ElementD_, bool kBlockScaled_, class TileShape_, class ClusterShape_,
+          bool kPingpong_ = false>
 struct Config {
   using ElementAB = ElementAB_;
   using ElementD = ElementD_;
   static constexpr bool kBlockScaled = kBlockScaled_;
+  static constexpr bool kPingpong = kPingpong_;
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
+};
+
+// The CUTLASS schedule tags of a configuration.
+template <class Cfg>
+struct Schedule {
+  using Epilogue = std::conditional_t<Cfg::kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using Mainloop = std::conditional_t<
+      Cfg::kBlockScaled,
+      std::conditional_t<Cfg::kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>,
+      std::conditional_t<Cfg::kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
 };
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // (M_e, N, K) per expert
@@ -82,7 +99,7 @@ struct Epilogue {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD*, kAlignD,                            // no C operand
       typename Cfg::ElementD, LayoutD*, kAlignD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+      typename Schedule<Cfg>::Epilogue, Fusion>::CollectiveOp;
 };
 
 template <class Cfg, bool kBlockScaled = Cfg::kBlockScaled>
@@ -98,7 +115,7 @@ struct Mainloop<Cfg, false> {
       float, typename Cfg::TileShape, typename Cfg::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue<Cfg>::Collective::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule<Cfg>::Mainloop>::CollectiveOp;
 };
 
 template <class Cfg>
@@ -111,7 +128,7 @@ struct Mainloop<Cfg, true> {
       float, typename Cfg::TileShape, typename Cfg::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue<Cfg>::Collective::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      typename Schedule<Cfg>::Mainloop>::CollectiveOp;
 };
 
 template <class Cfg>

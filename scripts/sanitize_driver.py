@@ -9,6 +9,8 @@ of 8 or 32, scale groups narrower than 8 columns, empty experts, padding ids, ze
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import sys
 
@@ -118,12 +120,13 @@ def main() -> None:
     gemm_all_forms(PackedWeight(jnp.asarray(rng.standard_normal((2, 130, 21)), jnp.float16), wtype=WeightType.FLOAT,
                                 k=21), None, jnp.float16, None)
 
-    # Prefill-sized grouped GEMMs (>= 64 rows per expert: the sm_90a wgmma kernel where built;
-    # int4 and mxfp4 through the dequantization buffer), with an empty expert, uneven expert
-    # sizes and rows past off[E] (padding ids).
-    for scheme in ("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"):
+    # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
+    # 128-row tiles for m = 300 and 64-row tiles for m = 60; int4 and mxfp4 through the
+    # dequantization buffer), with an empty expert, uneven expert sizes and rows past off[E].
+    for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
+                                       (300, 60)):
         spec = SCHEMES[scheme]
-        e, n, k, m, topk = 3, 384, 256, 300, 2
+        e, n, k, topk = 3, 384, 256, 2
         w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
         bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
         quant = act_quant_params(spec.act_key)

@@ -239,19 +239,30 @@ def test_gemm_rejects_8bit_scale_groups_that_split_an_mma_step(rng):
 # ------------------------------------------------------------------------------------------------
 # Activation, quantization, finalize.
 # ------------------------------------------------------------------------------------------------
+# I = 52: the scalar kernel (I % 8 != 0); I = 64 with 700 rows: the vectorized kernel over more
+# vectors than one grid pass.
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_activation_matches_cpu(rng, name, dtype):
-    x = jnp.asarray(rng.standard_normal((37, 2 * 52)) * 3, dtype)
+@pytest.mark.parametrize("rows,i", [(37, 52), (700, 64)])
+def test_activation_matches_cpu(rng, name, dtype, rows, i):
+    x = jnp.asarray(rng.standard_normal((rows, 2 * i)) * 3, dtype)
     limit = 5.0 if name in ("silu", "swigluoai") else None
     c, g = both(lambda x: act_ops.activation(x, name, limit), x)
     assert_close_16(g, c, dtype, name)
 
 
-@pytest.mark.parametrize("quant,group_k", [("fp8", 0), ("fp8", 128), ("int8", 0), ("int8", 16)])
-def test_activation_quant_and_quantize_match_cpu(rng, quant, group_k):
-    x = jnp.asarray(rng.standard_normal((29, 2 * 256)) * 2, jnp.bfloat16)
-    for fn in (lambda x: act_ops.activation_quant(x, "silu", None, quant, group_k),
+# Vectorized kernels: group sizes 8..256 and whole rows over I % 8 == 0; the scalar kernel for
+# I = 200 with group 40 (not a power of two) and I = 100 (I % 8 != 0).
+@pytest.mark.parametrize("quant,group_k,i", [("fp8", 0, 256), ("fp8", 128, 256), ("int8", 0, 256), ("int8", 16, 256),
+                                             ("fp8", 8, 256), ("fp8", 32, 256), ("int8", 64, 256), ("fp8", 256, 512),
+                                             ("fp8", 40, 200), ("int8", 0, 100)])
+@pytest.mark.parametrize("act", ["silu", "swigluoai", "gelu_tanh_no_mul"])
+def test_activation_quant_and_quantize_match_cpu(rng, quant, group_k, i, act):
+    dtype = jnp.float16 if act == "gelu_tanh_no_mul" else jnp.bfloat16
+    n1 = i if act.endswith("no_mul") else 2 * i
+    x = jnp.asarray(rng.standard_normal((29, n1)) * 2, dtype)
+    limit = 7.0 if act == "swigluoai" else None
+    for fn in (lambda x: act_ops.activation_quant(x, act, limit, quant, group_k),
                lambda x: act_ops.quantize(x, quant, group_k)):
         (cq, cs), (gq, gs) = both(fn, x)
         np.testing.assert_allclose(gs, cs, rtol=1e-5, err_msg="scales")

@@ -71,7 +71,8 @@ def _assert_close(got, want, dtype, what, tol=None):
 # ================================================================================================
 # Prefill: the CUTLASS grouped GEMM (cuda_ffi/gemm_prefill_sm90*). It takes gemm_grouped calls with
 # 16-bit weights or w8a8-fp8-block128, K and N multiples of 8 (128 for fp8), and at least
-# kMinRowsPerExpert = 64 rows per local expert on average; HUMMING_JAX_PREFILL=0 turns it off.
+# kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below
+# kWideRowsPerExpert = 128, 128-row cooperative tiles from there); HUMMING_JAX_PREFILL=0 turns it off.
 # ================================================================================================
 _PREFILL_LAUNCHES = _ffi.launch_counter("HjPrefillLaunches") if GPU is not None else None
 _SM90 = GPU is not None and str(getattr(GPU, "compute_capability", "")) == "9.0"
@@ -165,6 +166,13 @@ PREFILL_CASES = [
     ("w4a16-nvfp4", jnp.bfloat16, 1024, 2, 8, 256, 512, "uniform"),
     ("w8a16-int8-channel", jnp.bfloat16, 1024, 1, 8, 256, 136, "one_expert"),
     ("w8a16-fp8-block128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
+    # 32 to 127 rows per expert: the 64-row pingpong kinds.
+    ("bf16", None, 256, 2, 8, 768, 512, "uniform"),  # 64 rows per expert
+    ("fp16", None, 128, 4, 16, 264, 136, "tail"),  # 32, half of them elsewhere
+    ("bf16", None, 512, 8, 64, 384, 256, "zero_rows"),  # 64 on average, a third of the experts used
+    ("w8a8-fp8-block128", None, 256, 2, 8, 768, 512, "uniform"),
+    ("w8a8-fp8-block128", None, 256, 8, 64, 384, 256, "zero_rows"),
+    ("w4a16-int4-g128", jnp.bfloat16, 256, 2, 8, 384, 512, "uniform"),
 ]
 
 
@@ -238,8 +246,23 @@ def test_prefill_small_experts_keep_the_generic_kernel(rng):
 
 @requires_prefill
 @pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128"])
-def test_prefill_is_deterministic(rng, scheme):
-    p = _gemm_inputs(rng, scheme, 2048, 4, 16, 1024, 1024, "uniform", bias=True)
+@pytest.mark.parametrize("tile", ["64", "128"])
+def test_prefill_tile_heights_agree(rng, monkeypatch, scheme, tile):
+    """HUMMING_JAX_PREFILL_TILE forces one tile height: 64-row tiles on 512 rows per expert (eight
+    tiles each, uneven last ones) and 128-row tiles on 48 rows per expert, both as on the CPU."""
+    monkeypatch.setenv("HUMMING_JAX_PREFILL_TILE", tile)
+    m = 1024 if tile == "64" else 96
+    p = _gemm_inputs(rng, scheme, m, 8, 16, 384, 256, "uniform", bias=True)
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1
+    _assert_close(got, _run_gemm(CPU, p, poison=False), p["dtype"], f"{scheme} on {tile}-row tiles")
+
+
+@requires_prefill
+@pytest.mark.parametrize("scheme,m", [("bf16", 2048), ("w8a8-fp8-block128", 2048), ("bf16", 256), ("w8a8-fp8-block128", 256)])
+def test_prefill_is_deterministic(rng, scheme, m):
+    p = _gemm_inputs(rng, scheme, m, 4, 16, 1024, 1024, "uniform", bias=True)
     runs = [_run_gemm(GPU, p) for _ in range(3)]
     for r in runs[1:]:
         np.testing.assert_array_equal(r, runs[0])

@@ -95,7 +95,7 @@ def grouped_workspace_bytes(num_experts: int) -> int:
 ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
 DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
-MIN_ROWS_PER_EXPERT = 64  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
+MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
 
 
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:

@@ -136,7 +136,8 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   if (wide == Kind::kNone) return wide;
   const int forced = tile_rows_from_env();
   if (forced == 128) return wide;
-  if (forced == 64 || R < kWideRowsPerExpert * p.w.E) return narrow_kind(wide);
+  const int64_t wide_from = wide == Kind::kFp8Block128 ? kWideRowsPerExpertFp8 : kWideRowsPerExpert16;
+  if (forced == 64 || R < wide_from * p.w.E) return narrow_kind(wide);
   return wide;
 }
 

@@ -25,8 +25,8 @@ enum class Kind : int {
   kBf16 = 1,          // bf16 activations x bf16 weights -> bf16
   kF16 = 2,           // fp16 x fp16 -> fp16
   kFp8Block128 = 3,   // fp8 e4m3 codes, 1x128 activation and 128x128 weight f32 scales -> bf16
-  // The same three on 64-row pingpong tiles, for experts of kMinRowsPerExpert to
-  // kWideRowsPerExpert rows on average.
+  // The same three on 64-row pingpong tiles, for experts of kMinRowsPerExpert up to
+  // kWideRowsPerExpert16 / kWideRowsPerExpertFp8 rows on average.
   kBf16M64 = 4,
   kF16M64 = 5,
   kFp8Block128M64 = 6,
@@ -50,10 +50,12 @@ constexpr size_t kWorkspacePerExpert = 256;
 constexpr int64_t kMaxExperts = 8192;
 // Rows per expert (R / E, known on the host from shapes alone) from which the prefill kernel is
 // chosen over the generic one (at least half of a 64-row tile used), and from which it runs on
-// 128-row tiles instead of 64-row ones (benchmarks/NOTES.md, v4). HUMMING_JAX_PREFILL_TILE=64 or
-// 128 forces one tile height at run time (for A/B measurements).
+// 128-row tiles instead of 64-row ones, per kind as measured on the H200 (benchmarks/NOTES.md, v4:
+// at 64 rows per expert the 16-bit 128 x 256 tile still wins, the fp8 128 x 128 one does not).
+// HUMMING_JAX_PREFILL_TILE=64 or 128 forces one tile height at run time (for A/B measurements).
 constexpr int64_t kMinRowsPerExpert = 32;
-constexpr int64_t kWideRowsPerExpert = 128;
+constexpr int64_t kWideRowsPerExpert16 = 64;
+constexpr int64_t kWideRowsPerExpertFp8 = 128;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {

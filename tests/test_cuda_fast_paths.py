@@ -319,7 +319,8 @@ def test_prefill_command_buffers_give_the_same_results(tmp_path, scheme):
 
 # ================================================================================================
 # Decode: the weight-streaming GEMM (cuda_ffi/gemm_decode_sm90*). It takes gemm_indexed calls with
-# block_m <= 16, gemm_grouped calls with at most 16 rows per local expert on average and
+# block_m <= 16, gemm_grouped calls with at most 16 rows per local expert on average (64 for
+# quantized weights with 16-bit activations, below the dequantizing prefill path) and
 # gemm_batched calls with T <= 16, when weight and activation rows are 16-byte aligned (K a
 # multiple of 8 for 16-bit weights, 16 for 8-bit, 32 for 4-bit) and the weight scale groups fit its
 # lane chunks (8-bit activations: scale groups of whole 64-k / 128-k chunk columns, so
@@ -513,6 +514,24 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
         got = _run_on(GPU, fn, ops)
     assert launched.count == 0, what
     _check_decode_forms(got, _run_on(CPU, fn, ops), dtype, what, ops[5], 3)
+
+
+@requires_decode
+@pytest.mark.skipif(_PREFILL_LAUNCHES is None, reason="needs the prefill counter too")
+@pytest.mark.parametrize("scheme,m,k,kind", [("w4a16-int4-g128", 64, 4, "uniform"), ("w4a16-mxfp4", 96, 4, "tail"),
+                                             ("w8a16-int8-channel", 120, 4, "zero_rows"),
+                                             ("w4a16-uint4-zp-g128", 120, 4, "uniform")])
+def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, scheme, m, k, kind):
+    """32 to 63 rows per expert on average (8 experts) with quantized weights and 16-bit
+    activations: no dequantization buffer is requested, so the prefill kernel declines and the
+    decode kernel runs several 16-row items per expert; the result is the CPU's."""
+    p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")
+    with _LaunchCount(_PREFILL_LAUNCHES) as prefill, _LaunchCount(_DECODE_LAUNCHES) as decode:
+        got = _run_gemm(GPU, p)
+    assert prefill.count == 0 and decode.count == 1, (prefill.count, decode.count)
+    _assert_close(got, _run_gemm(CPU, p, poison=False), p["dtype"], f"{scheme} {kind} {m * k // 8} rows per expert")
+    last = int(np.asarray(p["off"])[-1])
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
 
 
 @requires_decode

@@ -73,9 +73,9 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
     e, n, k = 8, 384, 512
     w = _int4(rng, e, n, k)
     per = n * k * 2
-    rows = gemm_ops.MIN_ROWS_PER_EXPERT * e
+    rows = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
     assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 128 + e * per  # all fit in 512 MiB
-    assert gemm_ops.dequant_buffer_bytes(rows - 1, w, jnp.bfloat16, False) == 0  # decode-sized
+    assert gemm_ops.dequant_buffer_bytes(rows - 1, w, jnp.bfloat16, False) == 0  # the decode kernel's
     assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, True) == 0  # 8-bit activations
     assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.float32, False) == 0
     assert gemm_ops.dequant_buffer_bytes(rows, _int4(rng, e, n, 12, group_k=12), jnp.bfloat16, False) == 0
@@ -90,17 +90,21 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
         gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False)
 
 
-def test_min_rows_matches_the_cuda_header():
+def test_min_rows_match_the_cuda_sources():
     text = (ROOT / "cuda_ffi" / "gemm_prefill_sm90.h").read_text()
     found = re.search(r"kMinRowsPerExpert = (\d+);", text)
     assert found and int(found.group(1)) == gemm_ops.MIN_ROWS_PER_EXPERT
+    # The decode kernel takes quantized grouped calls below the dequantizing path's threshold.
+    text = (ROOT / "cuda_ffi" / "gemm_decode_sm90.cu").read_text()
+    found = re.search(r"kMaxRowsPerExpertQuantGrouped = (\d+);", text)
+    assert found and int(found.group(1)) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
 
 
 def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rng):
     """On the CPU the buffer is only requested (the handler ignores it); the result is the
     dequantized product either way."""
     e, n, k, topk = 2, 16, 256, 1
-    m = gemm_ops.MIN_ROWS_PER_EXPERT * e
+    m = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
     w = _int4(rng, e, n, k)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     ids = jnp.asarray(rng.integers(0, e, (m, topk)).astype(np.int32))

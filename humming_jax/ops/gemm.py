@@ -96,6 +96,10 @@ ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
 DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
+# Quantized weights are dequantized for the prefill kernel only from this many rows per expert:
+# below it the decode kernel streams the codes once per 16-row item instead, which costs less than
+# writing and reading every expert in 16 bits (cuda_ffi/gemm_decode_sm90.cu takes up to 64).
+DEQUANT_MIN_ROWS_PER_EXPERT = 64
 
 
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
@@ -104,7 +108,7 @@ def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantiz
     of 8, scale groups that are not whole 8-column runs)."""
     e, n, k = w.num_experts, w.n, w.k
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
-            or e <= 0 or rows < MIN_ROWS_PER_EXPERT * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
+            or e <= 0 or rows < DEQUANT_MIN_ROWS_PER_EXPERT * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
         return 0
     raw = os.environ.get(ENV_DEQUANT_WORKSPACE_MB, "") or str(DEQUANT_WORKSPACE_MB_DEFAULT)
     try:

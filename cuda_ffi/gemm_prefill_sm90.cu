@@ -19,6 +19,10 @@ namespace {
 // promises less for a sub-buffer), and the rounding slack is part of the need.
 constexpr size_t kWorkspaceAlign = 128;
 
+// Quantized weights with 16-bit activations are dequantized for these kernels only from this many
+// rows per expert (humming_jax/ops/gemm.py DEQUANT_MIN_ROWS_PER_EXPERT); below, the decode kernel.
+constexpr int64_t kDequantMinRowsPerExpert = 64;
+
 // Prefill GEMMs launched by this process (host-side launches, not graph replays): lets the GPU
 // tests prove that a problem took this path rather than the generic kernel.
 std::atomic<uint64_t> g_launches{0};
@@ -242,8 +246,12 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   // The 16-bit kinds with quantized weights run on dequantized chunks (fp8 block weights keep
   // their codes: the fp8 kind scales them in the mainloop).
   const Kind wk = wide_kind(kind);
-  if ((wk == Kind::kBf16 || wk == Kind::kF16) && p.w.type != WeightType::kFloat)
+  if ((wk == Kind::kBf16 || wk == Kind::kF16) && p.w.type != WeightType::kFloat) {
+    // Below kDequantMinRowsPerExpert the decode kernel takes the codes (whatever room the
+    // workspace happens to have), as humming_jax/ops/gemm.py sizes it.
+    if (R < kDequantMinRowsPerExpert * p.w.E) return Error::Success();
     return run_dequantized(call, g, p, dev, stream, handled);
+  }
   *handled = true;
   return run_grouped(call, g, dev, stream);
 }

@@ -173,7 +173,7 @@ PREFILL_CASES = [
     ("bf16", None, 384, 8, 64, 384, 256, "zero_rows"),  # 48 on average, a third of the experts used
     ("w8a8-fp8-block128", None, 256, 2, 8, 768, 512, "uniform"),  # 64
     ("w8a8-fp8-block128", None, 256, 8, 64, 384, 256, "zero_rows"),  # 32
-    ("w4a16-int4-g128", jnp.bfloat16, 192, 2, 8, 384, 512, "uniform"),
+    ("w4a16-int4-g128", jnp.bfloat16, 256, 2, 8, 384, 512, "uniform"),  # 64: dequantized, 128-row tiles
 ]
 
 
@@ -519,13 +519,13 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
 @requires_decode
 @pytest.mark.skipif(_PREFILL_LAUNCHES is None, reason="needs the prefill counter too")
 @pytest.mark.parametrize("scheme,m,k,kind", [("w4a16-int4-g128", 64, 4, "uniform"), ("w4a16-mxfp4", 96, 4, "tail"),
-                                             ("w8a16-int8-channel", 120, 4, "zero_rows"),
+                                             ("w8a16-int8-channel", 240, 2, "zero_rows"),
                                              ("w4a16-uint4-zp-g128", 120, 4, "uniform")])
 def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, scheme, m, k, kind):
     """32 to 63 rows per expert on average (8 experts) with quantized weights and 16-bit
     activations: no dequantization buffer is requested, so the prefill kernel declines and the
     decode kernel runs several 16-row items per expert; the result is the CPU's."""
-    p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")
+    p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")  # no room for an expert either
     with _LaunchCount(_PREFILL_LAUNCHES) as prefill, _LaunchCount(_DECODE_LAUNCHES) as decode:
         got = _run_gemm(GPU, p)
     assert prefill.count == 0 and decode.count == 1, (prefill.count, decode.count)

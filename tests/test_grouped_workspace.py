@@ -98,6 +98,9 @@ def test_min_rows_match_the_cuda_sources():
     text = (ROOT / "cuda_ffi" / "gemm_decode_sm90.cu").read_text()
     found = re.search(r"kMaxRowsPerExpertQuantGrouped = (\d+);", text)
     assert found and int(found.group(1)) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
+    text = (ROOT / "cuda_ffi" / "gemm_prefill_sm90.cu").read_text()
+    found = re.search(r"kDequantMinRowsPerExpert = (\d+);", text)
+    assert found and int(found.group(1)) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
 
 
 def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rng):

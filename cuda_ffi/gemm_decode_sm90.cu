@@ -18,9 +18,12 @@ std::atomic<uint64_t> g_launches{0};
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
 // Grouped calls with quantized weights and 16-bit activations: the most rows per expert (on
-// average) the decode kernel takes; humming_jax/ops/gemm.py DEQUANT_MIN_ROWS_PER_EXPERT hands
-// larger ones to the dequantizing prefill path.
-constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
+// average) the decode kernel takes. Raised to 64 together with the dequantizing path's threshold
+// (kDequantMinRowsPerExpert in gemm_prefill_sm90.cu, DEQUANT_MIN_ROWS_PER_EXPERT in
+// humming_jax/ops/gemm.py), 32-63 rows per expert ran 2.7x faster on the H200 (benchmarks/NOTES.md,
+// v4); it stays at 16 until tests/test_cuda_fast_paths.py's check of those calls against the CPU
+// has passed on the GPU.
+constexpr int64_t kMaxRowsPerExpertQuantGrouped = 16;
 constexpr int64_t kSmemReservedPerCta = 1024 + 512;  // + the kernel's static shared memory
 
 bool env_flag(const char* name, bool unset) {
@@ -115,13 +118,13 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     case RowMode::kGrouped: {
       const int64_t R = L.R;
       if (R <= 0) return decline(L, "no rows");
-      // Quantized weights with 16-bit activations: up to four 16-row items per expert on average,
-      // where streaming the codes again (mostly from L2: an expert's items run side by side)
-      // beats dequantizing every expert for the prefill kernel (benchmarks/NOTES.md, v4).
+      // Quantized weights with 16-bit activations may take several 16-row items per expert on
+      // average (kMaxRowsPerExpertQuantGrouped): streaming the codes again, mostly from L2 since
+      // an expert's items run side by side, beats dequantizing every expert for the prefill kernel.
       const bool codes16 = w.type != WeightType::kFloat && !p.a.quantized();
       const int64_t max_per_expert = codes16 ? kMaxRowsPerExpertQuantGrouped : kMaxRows;
       if (R > max_per_expert * E)
-        return decline(L, codes16 ? "more than 64 rows per expert on average" : "more than 16 rows per expert on average");
+        return decline(L, "more rows per expert on average than the decode kernel takes");
       const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
       const int64_t gemm_items = tiles + std::min(E, R);
       if (gemm_items + tiles > INT32_MAX) return decline(L, "too many rows");

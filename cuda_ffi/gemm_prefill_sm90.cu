@@ -20,8 +20,9 @@ namespace {
 constexpr size_t kWorkspaceAlign = 128;
 
 // Quantized weights with 16-bit activations are dequantized for these kernels only from this many
-// rows per expert (humming_jax/ops/gemm.py DEQUANT_MIN_ROWS_PER_EXPERT); below, the decode kernel.
-constexpr int64_t kDequantMinRowsPerExpert = 64;
+// rows per expert (humming_jax/ops/gemm.py DEQUANT_MIN_ROWS_PER_EXPERT); below, the decode kernel
+// or the generic one (gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped).
+constexpr int64_t kDequantMinRowsPerExpert = 32;
 
 // Prefill GEMMs launched by this process (host-side launches, not graph replays): lets the GPU
 // tests prove that a problem took this path rather than the generic kernel.
@@ -247,8 +248,8 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   // their codes: the fp8 kind scales them in the mainloop).
   const Kind wk = wide_kind(kind);
   if ((wk == Kind::kBf16 || wk == Kind::kF16) && p.w.type != WeightType::kFloat) {
-    // Below kDequantMinRowsPerExpert the decode kernel takes the codes (whatever room the
-    // workspace happens to have), as humming_jax/ops/gemm.py sizes it.
+    // Below kDequantMinRowsPerExpert the codes stay for the other kernels, whatever room the
+    // workspace happens to have (humming_jax/ops/gemm.py sizes it by the same rule).
     if (R < kDequantMinRowsPerExpert * p.w.E) return Error::Success();
     return run_dequantized(call, g, p, dev, stream, handled);
   }

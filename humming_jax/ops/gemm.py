@@ -96,10 +96,10 @@ ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
 DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
-# Quantized weights are dequantized for the prefill kernel only from this many rows per expert:
-# below it the decode kernel streams the codes once per 16-row item instead, which costs less than
-# writing and reading every expert in 16 bits (cuda_ffi/gemm_decode_sm90.cu takes up to 64).
-DEQUANT_MIN_ROWS_PER_EXPERT = 64
+# Quantized weights are dequantized for the prefill kernel only from this many rows per expert
+# (cuda_ffi/gemm_prefill_sm90.cu, kDequantMinRowsPerExpert): below it the codes go to the decode
+# or the generic kernel.
+DEQUANT_MIN_ROWS_PER_EXPERT = 32
 
 
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,6 +20,16 @@ BACKEND = jax.default_backend()
 
 # Relative error allowed against the oracle: a few roundings of the 16-bit dtype.
 TOL = {jnp.dtype(jnp.bfloat16): 1.2e-2, jnp.dtype(jnp.float16): 2e-3}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cuda_constant(file: str, name: str) -> int:
+    """The integer constant ``name = N;`` of ``cuda_ffi/<file>`` (Python mirrors some of them)."""
+    found = re.search(rf"\b{name} = (\d+);", (ROOT / "cuda_ffi" / file).read_text())
+    assert found, f"{name} not found in cuda_ffi/{file}"
+    return int(found.group(1))
 
 
 def pytest_report_header(config: Any) -> str:

@@ -9,15 +9,12 @@ built without it. Sections: prefill (CUTLASS grouped GEMM, cuda_ffi/gemm_prefill
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import TOL, nan_out, random_layer
+from conftest import TOL, cuda_constant, nan_out, random_layer
 from graph_replay import replay_both_ways
 
 import humming_jax as hj
@@ -518,14 +515,9 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
     _check_decode_forms(got, _run_on(CPU, fn, ops), dtype, what, ops[5], 3)
 
 
-def _decode_quant_grouped_limit() -> int:
-    text = (Path(__file__).resolve().parents[1] / "cuda_ffi" / "gemm_decode_sm90.cu").read_text()
-    return int(re.search(r"kMaxRowsPerExpertQuantGrouped = (\d+);", text).group(1))
-
-
 @requires_decode
 @pytest.mark.skipif(_PREFILL_LAUNCHES is None, reason="needs the prefill counter too")
-@pytest.mark.skipif(_decode_quant_grouped_limit() < 64 or gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT < 64,
+@pytest.mark.skipif(cuda_constant("gemm_decode_sm90.cu", "kMaxRowsPerExpertQuantGrouped") < 64 or gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT < 64,
                     reason="the acceptance check for raising kMaxRowsPerExpertQuantGrouped and the dequantizing "
                            "threshold to 64 (benchmarks/NOTES.md, v4); both are below it")
 @pytest.mark.parametrize("scheme,m,k,kind", [("w4a16-int4-g128", 64, 4, "uniform"), ("w4a16-mxfp4", 96, 4, "tail"),

@@ -5,20 +5,18 @@ with the documented bound, hidden from callers, validated by the handlers. Runs 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ROOT, cuda_constant
 
 from humming_jax import _ffi
 from humming_jax._abi import WeightType
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.weights import PackedWeight
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _problem(rng, e=4, n=16, k=32, m=10, topk=2):
@@ -91,16 +89,10 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
 
 
 def test_min_rows_match_the_cuda_sources():
-    text = (ROOT / "cuda_ffi" / "gemm_prefill_sm90.h").read_text()
-    found = re.search(r"kMinRowsPerExpert = (\d+);", text)
-    assert found and int(found.group(1)) == gemm_ops.MIN_ROWS_PER_EXPERT
+    assert cuda_constant("gemm_prefill_sm90.h", "kMinRowsPerExpert") == gemm_ops.MIN_ROWS_PER_EXPERT
     # The dequantizing path starts no later than where the decode kernel stops taking codes.
-    text = (ROOT / "cuda_ffi" / "gemm_decode_sm90.cu").read_text()
-    found = re.search(r"kMaxRowsPerExpertQuantGrouped = (\d+);", text)
-    assert found and int(found.group(1)) <= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
-    text = (ROOT / "cuda_ffi" / "gemm_prefill_sm90.cu").read_text()
-    found = re.search(r"kDequantMinRowsPerExpert = (\d+);", text)
-    assert found and int(found.group(1)) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
+    assert cuda_constant("gemm_decode_sm90.cu", "kMaxRowsPerExpertQuantGrouped") <= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
+    assert cuda_constant("gemm_prefill_sm90.cu", "kDequantMinRowsPerExpert") == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
 
 
 def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rng):

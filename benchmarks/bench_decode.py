@@ -32,7 +32,7 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.weights import PackedWeight
 import moe_setup
-from timing import median_ms
+from timing import copy_ceiling, median_ms
 
 # E, top-k, H, I: BENCH.md's shapes (moe_setup), and a tiny one for smoke runs.
 SHAPES = {**{s: moe_setup.SHAPES[s] for s in moe_setup.MATRIX_SHAPES}, "tiny": (8, 2, 256, 128)}
@@ -94,13 +94,6 @@ def _scan_gemm(fmt: str, rows: int, gather_div: int, bm: int):
         return jax.lax.scan(body, jnp.zeros((), jnp.float32), (a, s, tuple(routing)))[0]
 
     return run
-
-
-def copy_ceiling(samples: int, mbytes: int = 2048) -> float:
-    """Device-to-device copy bandwidth in TB/s, bytes read + written."""
-    x = jnp.ones((mbytes * 1024 * 1024 // 4,), jnp.float32)
-    ms = median_ms(jax.jit(lambda x: x * 1.0001), (x,), samples)
-    return 2 * x.size * 4 / (ms * 1e-3) / 1e12
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from humming_jax._abi import WeightType
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.weights import PackedWeight
 import moe_setup
-from timing import median_ms
+from timing import matmul_ceiling, median_ms
 
 # E, top-k, H, I: BENCH.md's shapes (moe_setup), and a tiny one for smoke runs.
 SHAPES = {**{s: moe_setup.SHAPES[s] for s in moe_setup.MATRIX_SHAPES}, "tiny": (8, 2, 256, 128)}
@@ -74,13 +74,6 @@ def _scan_gemm(w: PackedWeight, fmt: str):
         return jax.lax.scan(body, jnp.zeros((), jnp.float32), (a, s, off))[0]
 
     return run
-
-
-def matmul_ceiling(samples: int, n: int = 8192) -> float:
-    x = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(jnp.bfloat16)
-    ms = median_ms(jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), (x,),
-                samples)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from humming_jax.quantize import W_BF16, W_INT4_G128
 from humming_jax.weights import MoEWeights, PackedWeight
 
 import moe_setup
+from timing import copy_ceiling, matmul_ceiling
 
 SHAPES = {**{s: moe_setup.SHAPES[s] for s in ("qwen3-30b-a3b", "mixtral-8x7b")}, "tiny": (8, 2, 256, 128)}
 DEFAULT_SHAPES = "qwen3-30b-a3b,mixtral-8x7b"
@@ -112,24 +113,8 @@ def touched_bytes(w: MoEWeights, ids: np.ndarray) -> int:
 
 
 def ceilings() -> dict[str, float]:
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    copy = jax.jit(lambda x: x * 1.0000001)
-    jax.block_until_ready(copy(x))
-    t = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        jax.block_until_ready(copy(x))
-        t.append(time.perf_counter() - t0)
-    copy_tbps = 2 * x.nbytes / np.median(t) / 1e12
-    a = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.bfloat16)
-    mm = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(mm(a))
-    t = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        jax.block_until_ready(mm(a))
-        t.append(time.perf_counter() - t0)
-    return {"copy_tbps": round(float(copy_tbps), 3), "bf16_tflops": round(float(2 * 8192**3 / np.median(t) / 1e12), 1)}
+    """Copy bandwidth over 1 GiB and the 8192-square bf16 matmul, 10 samples each."""
+    return {"copy_tbps": round(copy_ceiling(10, 1024), 3), "bf16_tflops": round(matmul_ceiling(10, 8192), 1)}
 
 
 def main() -> None:

@@ -18,12 +18,11 @@ std::atomic<uint64_t> g_launches{0};
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
 // Grouped calls with quantized weights and 16-bit activations: the most rows per expert (on
-// average) the decode kernel takes. Raised to 64 together with the dequantizing path's threshold
-// (kDequantMinRowsPerExpert in gemm_prefill_sm90.cu, DEQUANT_MIN_ROWS_PER_EXPERT in
-// humming_jax/ops/gemm.py), 32-63 rows per expert ran 2.7x faster on the H200 (benchmarks/NOTES.md,
-// v4); it stays at 16 until tests/test_cuda_fast_paths.py's check of those calls against the CPU
-// has passed on the GPU.
-constexpr int64_t kMaxRowsPerExpertQuantGrouped = 16;
+// average) the decode kernel takes. The dequantizing prefill path, tried first, takes calls from
+// the same number (kDequantMinRowsPerExpert in gemm_prefill_sm90.cu, DEQUANT_MIN_ROWS_PER_EXPERT in
+// humming_jax/ops/gemm.py, the same value). At 32-63 rows per expert streaming the codes once per
+// 16-row item ran 2.7x faster on the H200 than dequantizing every expert (benchmarks/NOTES.md, v4).
+constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
 constexpr int64_t kSmemReservedPerCta = 1024 + 512;  // + the kernel's static shared memory
 
 bool env_flag(const char* name, bool unset) {

@@ -22,7 +22,7 @@ constexpr size_t kWorkspaceAlign = 128;
 // Quantized weights with 16-bit activations are dequantized for these kernels only from this many
 // rows per expert (humming_jax/ops/gemm.py DEQUANT_MIN_ROWS_PER_EXPERT); below, the decode kernel
 // or the generic one (gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped).
-constexpr int64_t kDequantMinRowsPerExpert = 32;
+constexpr int64_t kDequantMinRowsPerExpert = 64;
 
 // Prefill GEMMs launched by this process (host-side launches, not graph replays): lets the GPU
 // tests prove that a problem took this path rather than the generic kernel.

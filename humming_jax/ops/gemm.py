@@ -99,7 +99,7 @@ MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
 # Quantized weights are dequantized for the prefill kernel only from this many rows per expert
 # (cuda_ffi/gemm_prefill_sm90.cu, kDequantMinRowsPerExpert): below it the codes go to the decode
 # or the generic kernel.
-DEQUANT_MIN_ROWS_PER_EXPERT = 32
+DEQUANT_MIN_ROWS_PER_EXPERT = 64
 
 
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:

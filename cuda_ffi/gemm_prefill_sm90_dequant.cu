@@ -3,6 +3,8 @@
 // float32 weight_value, as gemm_weight computes it), so the 16-bit wgmma kernel then gives the
 // same products as the generic kernel. A memory-bound pass: each thread writes 8 consecutive
 // values (16 bytes) of one weight row from 4 or 8 bytes of codes and one scale (and zero point).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -74,13 +76,112 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(WeightView w, int64_t
   }
 }
 
+// The 16-byte-run kernel: one thread per 16 bytes of codes (32 4-bit or 16 8-bit values) of one
+// row, one scale (group_k a multiple of the run or >= K), 64 or 32 bytes written. The 4-byte-run
+// kernel above left HBM half idle (one 4-byte load in flight per thread) and spent most of its
+// issue slots on per-value scale loads, software rounding and index divisions; here those are
+// once per run, codes become floats by exact bit tricks, and pairs round in one hardware cvt
+// (round to nearest even, like float_to_bf16 / float_to_f16; a NaN keeps only its NaN-ness).
 template <WeightType WT>
-void launch(const WeightView& w, bool bf16, int64_t e0, uint32_t total, void* out, unsigned blocks,
+constexpr int kRunValues = (WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1) ? 32 : 16;
+
+// Value i of 4 (4-bit: 8 nibbles) or 4 (8-bit: 4 bytes) packed in a 32-bit word, as float, before
+// any scale. Every conversion is exact.
+template <WeightType WT>
+__device__ __forceinline__ float code_at(uint32_t word, int i, float zf) {
+  if constexpr (WT == WeightType::kUInt4) {
+    // 2^23 + q exactly, minus 2^23 + z.
+    return __uint_as_float(0x4B000000u | ((word >> (4 * i)) & 0xfu)) - zf;
+  } else if constexpr (WT == WeightType::kFp4E2M1) {
+    // Magnitude bits as a float of exponent field E and mantissa m: E > 0 gives 2^(E - 127) (1 + m/2),
+    // E = 0 the subnormal m 2^-127; times 2^126 both are the e2m1 value.
+    const uint32_t c = (word >> (4 * i)) & 0xfu;
+    const float mag = __uint_as_float((c & 7u) << 22) * 8.507059173023462e37f;  // 2^126
+    return (c & 8u) ? -mag : mag;
+  } else if constexpr (WT == WeightType::kInt8) {
+    // 2^23 + (b ^ 0x80) exactly, minus 2^23 + 128: the signed byte.
+    return __uint_as_float(0x4B000000u | (((word >> (8 * i)) & 0xffu) ^ 0x80u)) - 8388736.0f;
+  } else {
+    return e4m3_to_float(static_cast<uint8_t>((word >> (8 * i)) & 0xffu));
+  }
+}
+
+template <bool kBf16>
+__device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
+  if constexpr (kBf16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+template <WeightType WT, bool kBf16>
+__global__ void __launch_bounds__(kThreads) dequant_runs_kernel(WeightView w, int64_t e0, uint32_t total,
+                                                                 uint4* __restrict__ out) {
+  constexpr int kRun = kRunValues<WT>;
+  constexpr int kPerWord = (kRun == 32) ? 8 : 4;  // values per 32-bit word of codes
+  const uint32_t runs = static_cast<uint32_t>(w.K / kRun), N = static_cast<uint32_t>(w.N);
+  const uint32_t gn = static_cast<uint32_t>(w.group_n), gk = static_cast<uint32_t>(w.group_k);
+  const uint32_t srows = static_cast<uint32_t>(w.scale_rows()), scols = static_cast<uint32_t>(w.scale_cols());
+  const int64_t row_bytes = w.row_bytes();
+  const uint32_t stride = gridDim.x * kThreads;
+  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < total; i += stride) {
+    const uint32_t rl = i / runs;  // row within the chunk
+    const uint32_t k0 = (i - rl * runs) * kRun;
+    const uint32_t el = rl / N;
+    const uint32_t n = rl - el * N;
+    const int64_t e = e0 + el;
+    const int64_t row = e * w.N + n;
+    const uint4 codes = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w.data) + row * row_bytes) +
+                              k0 / kRun);
+    const int64_t sidx = (e * srows + n / gn) * static_cast<int64_t>(scols) + k0 / gk;
+    const float scale = load_elem(w.scale_type, w.scale, sidx);
+    const float* scale2 = w.scale2;
+    const float s2 = scale2 ? scale2[e] : 1.0f;
+    const float zf = 8388608.0f + ((WT == WeightType::kUInt4 && w.zero) ? static_cast<float>(w.zero[sidx]) : 8.0f);
+    const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
+    uint4* dst = out + static_cast<size_t>(i) * (kRun / 8);
+#pragma unroll
+    for (int q = 0; q < kRun / 8; ++q) {  // one 16-byte store of 8 values each
+      uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int v = q * 8 + 2 * j;  // value index within the run
+        // weight_value's order: code * scale, then * scale2 (skipped when absent: no rounding).
+        float lo = code_at<WT>(words[v / kPerWord], v % kPerWord, zf) * scale;
+        float hi = code_at<WT>(words[(v + 1) / kPerWord], (v + 1) % kPerWord, zf) * scale;
+        if (scale2) {
+          lo *= s2;
+          hi *= s2;
+        }
+        packed[j] = round_pair<kBf16>(lo, hi);
+      }
+      dst[q] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+  }
+}
+
+template <WeightType WT>
+void launch(const WeightView& w, bool bf16, int64_t e0, int64_t experts, void* out, int sm_count,
             cudaStream_t stream) {
-  if (bf16)
-    dequant_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, static_cast<uint4*>(out));
+  // Runs of 16 bytes of codes when each row splits into them and one scale covers a run.
+  constexpr int kRun = kRunValues<WT>;
+  const bool runs = w.K % kRun == 0 && (w.group_k % kRun == 0 || w.group_k >= w.K);
+  const int64_t work = experts * w.N * (w.K / (runs ? kRun : 8));
+  const auto total = static_cast<uint32_t>(work);
+  const unsigned blocks =
+      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 16LL * sm_count)));
+  uint4* o = static_cast<uint4*>(out);
+  if (runs && bf16)
+    dequant_runs_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
+  else if (runs)
+    dequant_runs_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
+  else if (bf16)
+    dequant_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
   else
-    dequant_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, total, static_cast<uint4*>(out));
+    dequant_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
 }
 
 }  // namespace
@@ -95,14 +196,11 @@ std::string dequantize_experts(const GemmProblem& p, int64_t e0, int64_t experts
   const int64_t work = experts * w.N * (w.K / 8);
   if (work >= (int64_t{1} << 31) || w.N >= (int64_t{1} << 31) || w.scale_cols() * w.scale_rows() >= (int64_t{1} << 31))
     return "a dequantization chunk of 2^31 or more 8-value runs";
-  const auto total = static_cast<uint32_t>(work);
-  const unsigned blocks =
-      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 16LL * sm_count)));
   switch (w.type) {
-    case WeightType::kUInt4: launch<WeightType::kUInt4>(w, bf16, e0, total, out, blocks, stream); break;
-    case WeightType::kFp4E2M1: launch<WeightType::kFp4E2M1>(w, bf16, e0, total, out, blocks, stream); break;
-    case WeightType::kInt8: launch<WeightType::kInt8>(w, bf16, e0, total, out, blocks, stream); break;
-    case WeightType::kFp8E4M3: launch<WeightType::kFp8E4M3>(w, bf16, e0, total, out, blocks, stream); break;
+    case WeightType::kUInt4: launch<WeightType::kUInt4>(w, bf16, e0, experts, out, sm_count, stream); break;
+    case WeightType::kFp4E2M1: launch<WeightType::kFp4E2M1>(w, bf16, e0, experts, out, sm_count, stream); break;
+    case WeightType::kInt8: launch<WeightType::kInt8>(w, bf16, e0, experts, out, sm_count, stream); break;
+    case WeightType::kFp8E4M3: launch<WeightType::kFp8E4M3>(w, bf16, e0, experts, out, sm_count, stream); break;
     default: return "16-bit weights need no dequantization";
   }
   const cudaError_t e = cudaGetLastError();

@@ -237,6 +237,33 @@ def test_prefill_dequantizes_in_chunks_when_the_buffer_is_small(rng, monkeypatch
 
 
 @requires_prefill
+@pytest.mark.parametrize("scheme,dtype,kdim", [
+    # K a multiple of 32 (16 for 8-bit codes) with one scale per run: the 16-byte-run kernel
+    ("w4a16-int4-g128", jnp.bfloat16, 256), ("w4a16-int4-g128", jnp.float16, 256),
+    ("w4a16-uint4-zp-g128", jnp.bfloat16, 256), ("w4a16-mxfp4", jnp.bfloat16, 256),
+    ("w8a16-int8-channel", jnp.bfloat16, 256), ("w8a16-fp8-block128", jnp.float16, 256),
+    ("w8a16-fp8-block128", jnp.bfloat16, 256),
+    # groups of 16 or K = 136: the 8-value-run kernel
+    ("w4a16-nvfp4", jnp.bfloat16, 256), ("w8a16-int8-channel", jnp.float16, 136),
+])
+def test_prefill_dequantization_is_exact(rng, scheme, dtype, kdim):
+    """One-hot activation rows make each output row one column of the dequantized weights (acc = w'
+    exactly, no bias): the dequantizing path must give the CPU's w' bit for bit."""
+    p = _gemm_inputs(rng, scheme, 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
+    rows = p["a"].shape[0]
+    assert rows >= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * 8
+    hot = np.zeros((rows, kdim), np.float32)
+    hot[np.arange(rows), (np.arange(rows) * 7 + int(rng.integers(kdim))) % kdim] = 1.0
+    p["a"] = jax.device_put(jnp.asarray(hot, dtype), GPU)
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, "the dequantizing prefill path did not run"
+    want = _run_gemm(CPU, p, poison=False)
+    assert np.count_nonzero(want) > want.size // 2, "the weights must not be mostly zeros"
+    np.testing.assert_array_equal(got, want, err_msg=f"{scheme} {jnp.dtype(dtype).name} K={kdim}")
+
+
+@requires_prefill
 def test_prefill_small_experts_keep_the_generic_kernel(rng):
     p = _gemm_inputs(rng, "bf16", 64, 2, 8, 256, 256, "uniform")  # 16 rows per expert
     with _LaunchCount(_PREFILL_LAUNCHES) as launched:

@@ -24,9 +24,6 @@ constexpr int64_t kSmemPerSm = 228 * 1024;
 // 16-row item ran 2.7x faster on the H200 than dequantizing every expert (benchmarks/NOTES.md, v4).
 constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
 constexpr int64_t kSmemReservedPerCta = 1024 + 512;  // + the kernel's static shared memory
-// CTAs per SM the packed 4-bit decode variants (int4 with activation-type scales, e2m1 with e8m0)
-// are launched for when their shared memory allows (gemm_decode_sm90.cuh, decode_kernel's MINB).
-constexpr int kCtasPerSmPacked4 = 3;
 
 bool env_flag(const char* name, bool unset) {
   const char* v = std::getenv(name);
@@ -191,7 +188,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
 
   // Warps along K (wk) against warps along N: more CTAs (large wk) let more SMs stream at once, a
   // wider CTA (small wk) shares each activation load among more rows and keeps the activation
-  // stage small enough for two (packed 4-bit: three) CTAs per SM, as many as the registers allow. Pick the wk with the
+  // stage small enough for two CTAs per SM (the register budget allows two). Pick the wk with the
   // most CTAs resident at once (expected work items times N slices, capped by the SM slots its
   // shared memory leaves), the smallest wk among equals; never more K groups than chunk columns.
   D.nc = static_cast<int>((K + kw - 1) / kw);
@@ -205,20 +202,12 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   auto smem_for = [&](int wk) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
-  // The packed 4-bit variants also exist compiled for three CTAs per SM (80 registers instead of
-  // 128); HUMMING_JAX_DECODE_CTAS=2 keeps them at two (for A/B measurements).
-  int max_ctas = 2;
-  if (dq == Deq::kPackedU4 || dq == Deq::kPackedFp4) {
-    max_ctas = kCtasPerSmPacked4;
-    if (const char* v = std::getenv("HUMMING_JAX_DECODE_CTAS"); v && *v) max_ctas = std::atoi(v) == 2 ? 2 : 3;
-  }
-  auto ctas_for = [&](int wk) { return std::min<int64_t>(max_ctas, kSmemPerSm / (smem_for(wk) + kSmemReservedPerCta)); };
   int wk = 1;
   int64_t best = -1;
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
-    const int64_t per_sm = ctas_for(c);
+    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
     const int64_t bn = kWarps / c * kRowsPerWarp;
     const int64_t resident = std::min(est * ((N + bn - 1) / bn), per_sm * sms);
     if (resident > best) {
@@ -232,7 +221,6 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     if ((c == 1 || c == 2 || c == 4 || c == 8) && (c == 1 || c <= D.nc) && smem_for(c) <= kMaxDynamicSmem) wk = c;
   }
   D.wk = wk;
-  D.ctas_per_sm = ctas_for(wk) >= 3 ? 3 : 2;
   D.wn = kWarps / wk;
   D.bn = D.wn * kRowsPerWarp;
   D.iters = (D.nc + wk - 1) / wk;

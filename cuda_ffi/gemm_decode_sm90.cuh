@@ -95,7 +95,6 @@ struct DecodeLaunch {
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
   int w_row_bytes;          // bytes of one weight row
-  int ctas_per_sm;          // the register bound the kernel is compiled for (2, or 3: packed 4-bit only)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
 };
@@ -751,10 +750,8 @@ __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int
   }
 }
 
-// MINB: CTAs per SM the register allocation must allow (2: 128 registers; 3: 80, for the packed
-// 4-bit variants, whose low occupancy left HBM idle at 2).
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, int MINB>
-__global__ void __launch_bounds__(kThreads, MINB) decode_kernel(const __grid_constant__ DecodeLaunch D) {
+template <WeightType WT, ActKind AK, Deq DQ, bool SF>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   using K_ = Kern<WT, AK, DQ, SF>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -942,9 +939,9 @@ template <>
 bool launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 
 // Raises the kernel's dynamic shared-memory limit once per device (a launch above 48 KB needs it).
-template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, int MINB = 2>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false>
 bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ, SF, MINB>;
+  auto kernel = decode_kernel<WT, AK, DQ, SF>;
   static unsigned configured = 0;  // bit d: device d configured (a benign race: the calls are idempotent)
   int dev = 0;
   cudaGetDevice(&dev);

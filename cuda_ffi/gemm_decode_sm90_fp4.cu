@@ -7,9 +7,7 @@ namespace decode {
 template <>
 bool launch_family<WeightType::kFp4E2M1>(const DecodeLaunch& D, ActKind ak, Deq dq, bool f32_scales, dim3 grid,
                                        size_t smem, cudaStream_t stream) {
-  if (ak == ActKind::kBF16 && dq == Deq::kPackedFp4 && D.ctas_per_sm == 3)
-    return launch_variant<WeightType::kFp4E2M1, ActKind::kBF16, Deq::kPackedFp4, false, 3>(D, grid, smem, stream);
-  else if (ak == ActKind::kBF16 && dq == Deq::kPackedFp4)
+  if (ak == ActKind::kBF16 && dq == Deq::kPackedFp4)
     return launch_variant<WeightType::kFp4E2M1, ActKind::kBF16, Deq::kPackedFp4>(D, grid, smem, stream);
   else if (ak == ActKind::kBF16 && dq == Deq::kF32 && f32_scales)
     return launch_variant<WeightType::kFp4E2M1, ActKind::kBF16, Deq::kF32, true>(D, grid, smem, stream);

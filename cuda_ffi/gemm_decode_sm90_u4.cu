@@ -9,12 +9,8 @@ namespace decode {
 template <>
 bool launch_family<WeightType::kUInt4>(const DecodeLaunch& D, ActKind ak, Deq dq, bool f32_scales, dim3 grid,
                                        size_t smem, cudaStream_t stream) {
-  if (ak == ActKind::kBF16 && dq == Deq::kPackedU4 && D.ctas_per_sm == 3)
-    return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4, false, 3>(D, grid, smem, stream);
-  else if (ak == ActKind::kBF16 && dq == Deq::kPackedU4)
+  if (ak == ActKind::kBF16 && dq == Deq::kPackedU4)
     return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4>(D, grid, smem, stream);
-  else if (ak == ActKind::kF16 && dq == Deq::kPackedU4 && D.ctas_per_sm == 3)
-    return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4, false, 3>(D, grid, smem, stream);
   else if (ak == ActKind::kF16 && dq == Deq::kPackedU4)
     return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4>(D, grid, smem, stream);
   else if (ak == ActKind::kBF16 && dq == Deq::kF32 && f32_scales)

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "gemm_prefill_sm90.h"
@@ -163,17 +165,111 @@ __global__ void __launch_bounds__(kThreads) dequant_runs_kernel(WeightView w, in
   }
 }
 
+// The row kernel: one warp per weight row, its lanes over consecutive 8-value runs (loads and
+// 16-byte stores coalesced across the warp, as in dequant_kernel), kUnroll runs per lane in
+// flight, the row's expert, scale row and code row found once per row (no per-run division
+// beyond a shift when group_k is a power of two).
+constexpr int kUnroll = 4;
+
+template <WeightType WT, bool kBf16>
+__global__ void __launch_bounds__(kThreads) dequant_rows_kernel(WeightView w, int64_t e0, uint32_t rows,
+                                                                 int gk_shift, uint4* __restrict__ out) {
+  constexpr bool kFour = WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1;
+  const uint32_t runs = static_cast<uint32_t>(w.K / 8), N = static_cast<uint32_t>(w.N);
+  const uint32_t gn = static_cast<uint32_t>(w.group_n), gk = static_cast<uint32_t>(w.group_k);
+  const int64_t srows = w.scale_rows(), scols = w.scale_cols();
+  const int64_t row_bytes = w.row_bytes();
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t warps = gridDim.x * (kThreads / 32);
+  const float* scale2 = w.scale2;
+  for (uint32_t rl = (blockIdx.x * kThreads + threadIdx.x) / 32; rl < rows; rl += warps) {
+    const uint32_t el = rl / N;
+    const uint32_t n = rl - el * N;
+    const int64_t e = e0 + el;
+    const uint8_t* codes = static_cast<const uint8_t*>(w.data) + (e * w.N + n) * row_bytes;
+    const int64_t srow = (e * srows + n / gn) * scols;
+    const float s2 = scale2 ? scale2[e] : 1.0f;
+    uint4* dst = out + static_cast<size_t>(rl) * runs;
+    for (uint32_t r0 = lane; r0 < runs; r0 += 32 * kUnroll) {
+      uint32_t word[kUnroll][2];
+      float scale[kUnroll], zf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {  // every load of the kUnroll runs first
+        const uint32_t r = r0 + 32 * u;
+        const uint32_t rc = r < runs ? r : runs - 1;  // clamped, not predicated: in bounds
+        if constexpr (kFour) {
+          word[u][0] = __ldg(reinterpret_cast<const uint32_t*>(codes) + rc);
+          word[u][1] = 0;
+        } else {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(codes) + rc);
+          word[u][0] = v.x;
+          word[u][1] = v.y;
+        }
+        const uint32_t k0 = rc * 8;
+        const int64_t sidx = srow + (gk_shift >= 0 ? (k0 >> gk_shift) : k0 / gk);
+        scale[u] = load_elem(w.scale_type, w.scale, sidx);
+        zf[u] = 8388608.0f + ((WT == WeightType::kUInt4 && w.zero) ? static_cast<float>(w.zero[sidx]) : 8.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t r = r0 + 32 * u;
+        if (r >= runs) break;
+        uint32_t packed[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int v = 2 * j;
+          const uint32_t wlo = kFour ? word[u][0] : word[u][v / 4], whi = kFour ? word[u][0] : word[u][(v + 1) / 4];
+          float lo = code_at<WT>(wlo, kFour ? v : v % 4, zf[u]) * scale[u];
+          float hi = code_at<WT>(whi, kFour ? v + 1 : (v + 1) % 4, zf[u]) * scale[u];
+          if (scale2) {  // weight_value's order: code * scale, then * scale2
+            lo *= s2;
+            hi *= s2;
+          }
+          packed[j] = round_pair<kBf16>(lo, hi);
+        }
+        dst[r] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
+    }
+  }
+}
+
+// Which dequantization kernel runs: the row kernel by default; HUMMING_JAX_DEQUANT_KERNEL=runs or
+// =values picks the 16-byte-run or the 8-value kernel (for A/B measurements).
+enum class DequantKernel { kRows, kRuns, kValues };
+DequantKernel dequant_kernel_choice() {
+  const char* v = std::getenv("HUMMING_JAX_DEQUANT_KERNEL");
+  if (v && std::strcmp(v, "runs") == 0) return DequantKernel::kRuns;
+  if (v && std::strcmp(v, "values") == 0) return DequantKernel::kValues;
+  return DequantKernel::kRows;
+}
+
 template <WeightType WT>
 void launch(const WeightView& w, bool bf16, int64_t e0, int64_t experts, void* out, int sm_count,
             cudaStream_t stream) {
+  uint4* o = static_cast<uint4*>(out);
+  const auto grid = [&](int64_t threads) {
+    return static_cast<unsigned>(
+        std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, 16LL * sm_count)));
+  };
+  const DequantKernel which = dequant_kernel_choice();
+  if (which == DequantKernel::kRows) {
+    const int64_t rows = experts * w.N;
+    int gk_shift = -1;  // k >> shift for a power-of-two group_k, else a division
+    for (int b = 0; b < 31; ++b)
+      if (w.group_k == (int64_t{1} << b)) gk_shift = b;
+    const unsigned blocks = grid(rows * 32);
+    if (bf16)
+      dequant_rows_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, static_cast<uint32_t>(rows), gk_shift, o);
+    else
+      dequant_rows_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, static_cast<uint32_t>(rows), gk_shift, o);
+    return;
+  }
   // Runs of 16 bytes of codes when each row splits into them and one scale covers a run.
   constexpr int kRun = kRunValues<WT>;
-  const bool runs = w.K % kRun == 0 && (w.group_k % kRun == 0 || w.group_k >= w.K);
+  const bool runs = which == DequantKernel::kRuns && w.K % kRun == 0 && (w.group_k % kRun == 0 || w.group_k >= w.K);
   const int64_t work = experts * w.N * (w.K / (runs ? kRun : 8));
   const auto total = static_cast<uint32_t>(work);
-  const unsigned blocks =
-      static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 16LL * sm_count)));
-  uint4* o = static_cast<uint4*>(out);
+  const unsigned blocks = grid(work);
   if (runs && bf16)
     dequant_runs_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
   else if (runs)

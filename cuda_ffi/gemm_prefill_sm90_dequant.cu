@@ -1,16 +1,22 @@
 // Dequantization of whole experts for the prefill path (gemm_prefill_sm90.h, dequantize_experts):
 // quantized weights become the 16-bit w' of the contract (the activation-type rounding of the
 // float32 weight_value, as gemm_weight computes it), so the 16-bit wgmma kernel then gives the
-// same products as the generic kernel. A memory-bound pass: each thread writes 8 consecutive
-// values (16 bytes) of one weight row from 4 or 8 bytes of codes and one scale (and zero point).
+// same products as the generic kernel. A memory-bound pass, built to keep HBM busy with few
+// instructions per value (benchmarks/NOTES.md, v5: one value per thread-run with per-value scale
+// loads, software rounding and two divisions ran at half the copy rate; 16-byte runs per thread
+// with strided 16-byte stores were slower still):
+//  * one warp per weight row: its lanes take consecutive 8-value runs, so the 4- or 8-byte code
+//    loads and the 16-byte stores are contiguous across the warp; kUnroll runs per lane are
+//    loaded before any is converted;
+//  * expert, scale row and code row once per row; the scale column by a shift;
+//  * codes become floats by exact bit tricks, pairs round in one hardware cvt (round to nearest
+//    even, as float_to_bf16 / float_to_f16; a NaN keeps its NaN-ness, not its payload).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "gemm_prefill_sm90.h"
@@ -22,73 +28,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Code of weight k (of an 8-aligned run starting at k0) as a float, before any scale.
-template <WeightType WT>
-__device__ __forceinline__ float code_value(uint64_t run, int i, int z) {
-  if constexpr (WT == WeightType::kUInt4) {
-    return static_cast<float>(static_cast<int>((run >> (4 * i)) & 0xf) - z);
-  } else if constexpr (WT == WeightType::kFp4E2M1) {
-    return e2m1_to_float(static_cast<uint8_t>((run >> (4 * i)) & 0xf));
-  } else if constexpr (WT == WeightType::kInt8) {
-    return static_cast<float>(static_cast<int8_t>((run >> (8 * i)) & 0xff));
-  } else {
-    return e4m3_to_float(static_cast<uint8_t>((run >> (8 * i)) & 0xff));
-  }
-}
-
-// One thread per 8 consecutive k of one row of experts [e0, e0 + experts); the 8 values share one
-// scale group (group_k % 8 == 0 or group_k >= K, checked by the caller). Index math in 32 bits
-// (the caller keeps a chunk below 2^31 runs of 8): 64-bit divisions would cost more than the
-// memory traffic.
-template <WeightType WT, bool kBf16>
-__global__ void __launch_bounds__(kThreads) dequant_kernel(WeightView w, int64_t e0, uint32_t total, uint4* out) {
-  const uint32_t k8s = static_cast<uint32_t>(w.K / 8), N = static_cast<uint32_t>(w.N);
-  const uint32_t gn = static_cast<uint32_t>(w.group_n), gk = static_cast<uint32_t>(w.group_k);
-  const uint32_t srows = static_cast<uint32_t>(w.scale_rows()), scols = static_cast<uint32_t>(w.scale_cols());
-  const int64_t row_bytes = w.row_bytes();
-  const uint32_t stride = gridDim.x * kThreads;
-  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < total; i += stride) {
-    const uint32_t rl = i / k8s;  // row within the chunk
-    const uint32_t k0 = (i - rl * k8s) * 8;
-    const uint32_t el = rl / N;
-    const uint32_t n = rl - el * N;
-    const int64_t e = e0 + el;
-    const int64_t row = e * w.N + n;
-    const uint8_t* bytes = static_cast<const uint8_t*>(w.data) + row * row_bytes;
-    uint64_t run;
-    if constexpr (WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1)
-      run = __ldg(reinterpret_cast<const uint32_t*>(bytes + k0 / 2));
-    else
-      run = __ldg(reinterpret_cast<const unsigned long long*>(bytes + k0));
-    const int64_t sidx = (e * srows + n / gn) * static_cast<int64_t>(scols) + k0 / gk;
-    const float scale = load_elem(w.scale_type, w.scale, sidx);
-    const float scale2 = w.scale2 ? w.scale2[e] : 1.0f;  // x * 1 is exact: the same as no scale2
-    const int z = (WT == WeightType::kUInt4 && w.zero) ? static_cast<int>(w.zero[sidx]) : 8;
-    uint32_t packed[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // weight_value's order: code * scale, then * scale2; then one rounding to the 16-bit type.
-      const float lo = (code_value<WT>(run, 2 * j, z) * scale) * scale2;
-      const float hi = (code_value<WT>(run, 2 * j + 1, z) * scale) * scale2;
-      const uint32_t l = kBf16 ? float_to_bf16(lo) : float_to_f16(lo);
-      const uint32_t h = kBf16 ? float_to_bf16(hi) : float_to_f16(hi);
-      packed[j] = l | (h << 16);
-    }
-    out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
-}
-
-// The 16-byte-run kernel: one thread per 16 bytes of codes (32 4-bit or 16 8-bit values) of one
-// row, one scale (group_k a multiple of the run or >= K), 64 or 32 bytes written. The 4-byte-run
-// kernel above left HBM half idle (one 4-byte load in flight per thread) and spent most of its
-// issue slots on per-value scale loads, software rounding and index divisions; here those are
-// once per run, codes become floats by exact bit tricks, and pairs round in one hardware cvt
-// (round to nearest even, like float_to_bf16 / float_to_f16; a NaN keeps only its NaN-ness).
-template <WeightType WT>
-constexpr int kRunValues = (WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1) ? 32 : 16;
-
-// Value i of 4 (4-bit: 8 nibbles) or 4 (8-bit: 4 bytes) packed in a 32-bit word, as float, before
-// any scale. Every conversion is exact.
+// Value i of a 32-bit word of codes (4-bit: 8 nibbles, even k low; 8-bit: 4 bytes) as a float,
+// before any scale. Every conversion is exact.
 template <WeightType WT>
 __device__ __forceinline__ float code_at(uint32_t word, int i, float zf) {
   if constexpr (WT == WeightType::kUInt4) {
@@ -119,56 +60,7 @@ __device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
   }
 }
 
-template <WeightType WT, bool kBf16>
-__global__ void __launch_bounds__(kThreads) dequant_runs_kernel(WeightView w, int64_t e0, uint32_t total,
-                                                                 uint4* __restrict__ out) {
-  constexpr int kRun = kRunValues<WT>;
-  constexpr int kPerWord = (kRun == 32) ? 8 : 4;  // values per 32-bit word of codes
-  const uint32_t runs = static_cast<uint32_t>(w.K / kRun), N = static_cast<uint32_t>(w.N);
-  const uint32_t gn = static_cast<uint32_t>(w.group_n), gk = static_cast<uint32_t>(w.group_k);
-  const uint32_t srows = static_cast<uint32_t>(w.scale_rows()), scols = static_cast<uint32_t>(w.scale_cols());
-  const int64_t row_bytes = w.row_bytes();
-  const uint32_t stride = gridDim.x * kThreads;
-  for (uint32_t i = blockIdx.x * kThreads + threadIdx.x; i < total; i += stride) {
-    const uint32_t rl = i / runs;  // row within the chunk
-    const uint32_t k0 = (i - rl * runs) * kRun;
-    const uint32_t el = rl / N;
-    const uint32_t n = rl - el * N;
-    const int64_t e = e0 + el;
-    const int64_t row = e * w.N + n;
-    const uint4 codes = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(w.data) + row * row_bytes) +
-                              k0 / kRun);
-    const int64_t sidx = (e * srows + n / gn) * static_cast<int64_t>(scols) + k0 / gk;
-    const float scale = load_elem(w.scale_type, w.scale, sidx);
-    const float* scale2 = w.scale2;
-    const float s2 = scale2 ? scale2[e] : 1.0f;
-    const float zf = 8388608.0f + ((WT == WeightType::kUInt4 && w.zero) ? static_cast<float>(w.zero[sidx]) : 8.0f);
-    const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
-    uint4* dst = out + static_cast<size_t>(i) * (kRun / 8);
-#pragma unroll
-    for (int q = 0; q < kRun / 8; ++q) {  // one 16-byte store of 8 values each
-      uint32_t packed[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int v = q * 8 + 2 * j;  // value index within the run
-        // weight_value's order: code * scale, then * scale2 (skipped when absent: no rounding).
-        float lo = code_at<WT>(words[v / kPerWord], v % kPerWord, zf) * scale;
-        float hi = code_at<WT>(words[(v + 1) / kPerWord], (v + 1) % kPerWord, zf) * scale;
-        if (scale2) {
-          lo *= s2;
-          hi *= s2;
-        }
-        packed[j] = round_pair<kBf16>(lo, hi);
-      }
-      dst[q] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    }
-  }
-}
-
-// The row kernel: one warp per weight row, its lanes over consecutive 8-value runs (loads and
-// 16-byte stores coalesced across the warp, as in dequant_kernel), kUnroll runs per lane in
-// flight, the row's expert, scale row and code row found once per row (no per-run division
-// beyond a shift when group_k is a power of two).
+// Runs of 8 values each lane has loaded before converting any.
 constexpr int kUnroll = 4;
 
 template <WeightType WT, bool kBf16>
@@ -233,51 +125,20 @@ __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(WeightView w, in
   }
 }
 
-// Which dequantization kernel runs: the row kernel by default; HUMMING_JAX_DEQUANT_KERNEL=runs or
-// =values picks the 16-byte-run or the 8-value kernel (for A/B measurements).
-enum class DequantKernel { kRows, kRuns, kValues };
-DequantKernel dequant_kernel_choice() {
-  const char* v = std::getenv("HUMMING_JAX_DEQUANT_KERNEL");
-  if (v && std::strcmp(v, "runs") == 0) return DequantKernel::kRuns;
-  if (v && std::strcmp(v, "values") == 0) return DequantKernel::kValues;
-  return DequantKernel::kRows;
-}
-
 template <WeightType WT>
 void launch(const WeightView& w, bool bf16, int64_t e0, int64_t experts, void* out, int sm_count,
             cudaStream_t stream) {
+  const int64_t rows = experts * w.N;
+  int gk_shift = -1;  // k >> shift for a power-of-two group_k, else a division
+  for (int b = 0; b < 31; ++b)
+    if (w.group_k == (int64_t{1} << b)) gk_shift = b;
+  const unsigned blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((rows * 32 + kThreads - 1) / kThreads, 16LL * sm_count)));
   uint4* o = static_cast<uint4*>(out);
-  const auto grid = [&](int64_t threads) {
-    return static_cast<unsigned>(
-        std::max<int64_t>(1, std::min<int64_t>((threads + kThreads - 1) / kThreads, 16LL * sm_count)));
-  };
-  const DequantKernel which = dequant_kernel_choice();
-  if (which == DequantKernel::kRows) {
-    const int64_t rows = experts * w.N;
-    int gk_shift = -1;  // k >> shift for a power-of-two group_k, else a division
-    for (int b = 0; b < 31; ++b)
-      if (w.group_k == (int64_t{1} << b)) gk_shift = b;
-    const unsigned blocks = grid(rows * 32);
-    if (bf16)
-      dequant_rows_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, static_cast<uint32_t>(rows), gk_shift, o);
-    else
-      dequant_rows_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, static_cast<uint32_t>(rows), gk_shift, o);
-    return;
-  }
-  // Runs of 16 bytes of codes when each row splits into them and one scale covers a run.
-  constexpr int kRun = kRunValues<WT>;
-  const bool runs = which == DequantKernel::kRuns && w.K % kRun == 0 && (w.group_k % kRun == 0 || w.group_k >= w.K);
-  const int64_t work = experts * w.N * (w.K / (runs ? kRun : 8));
-  const auto total = static_cast<uint32_t>(work);
-  const unsigned blocks = grid(work);
-  if (runs && bf16)
-    dequant_runs_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
-  else if (runs)
-    dequant_runs_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
-  else if (bf16)
-    dequant_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
+  if (bf16)
+    dequant_rows_kernel<WT, true><<<blocks, kThreads, 0, stream>>>(w, e0, static_cast<uint32_t>(rows), gk_shift, o);
   else
-    dequant_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, total, o);
+    dequant_rows_kernel<WT, false><<<blocks, kThreads, 0, stream>>>(w, e0, static_cast<uint32_t>(rows), gk_shift, o);
 }
 
 }  // namespace
@@ -300,7 +161,7 @@ std::string dequantize_experts(const GemmProblem& p, int64_t e0, int64_t experts
     default: return "16-bit weights need no dequantization";
   }
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return std::string("launching dequant_kernel: ") + cudaGetErrorString(e);
+  if (e != cudaSuccess) return std::string("launching dequant_rows_kernel: ") + cudaGetErrorString(e);
   return {};
 }
 

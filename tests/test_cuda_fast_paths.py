@@ -238,13 +238,13 @@ def test_prefill_dequantizes_in_chunks_when_the_buffer_is_small(rng, monkeypatch
 
 @requires_prefill
 @pytest.mark.parametrize("scheme,dtype,kdim", [
-    # K a multiple of 32 (16 for 8-bit codes) with one scale per run: the 16-byte-run kernel
+    # power-of-two groups (the scale column by a shift) of 16, 32, 128 and K = 256
     ("w4a16-int4-g128", jnp.bfloat16, 256), ("w4a16-int4-g128", jnp.float16, 256),
     ("w4a16-uint4-zp-g128", jnp.bfloat16, 256), ("w4a16-mxfp4", jnp.bfloat16, 256),
-    ("w8a16-int8-channel", jnp.bfloat16, 256), ("w8a16-fp8-block128", jnp.float16, 256),
-    ("w8a16-fp8-block128", jnp.bfloat16, 256),
-    # groups of 16 or K = 136: the 8-value-run kernel
-    ("w4a16-nvfp4", jnp.bfloat16, 256), ("w8a16-int8-channel", jnp.float16, 136),
+    ("w4a16-nvfp4", jnp.bfloat16, 256), ("w8a16-int8-channel", jnp.bfloat16, 256),
+    ("w8a16-fp8-block128", jnp.float16, 256), ("w8a16-fp8-block128", jnp.bfloat16, 256),
+    # K = 136: 17 runs per row (lanes past the row's end) and a group of 136 (a division)
+    ("w8a16-int8-channel", jnp.float16, 136),
 ])
 def test_prefill_dequantization_is_exact(rng, scheme, dtype, kdim):
     """One-hot activation rows make each output row one column of the dequantized weights (acc = w'

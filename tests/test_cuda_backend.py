@@ -272,6 +272,30 @@ def test_activation_quant_and_quantize_match_cpu(rng, quant, group_k, i, act):
         assert np.all(np.abs(gq - cq) <= step + 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_e4m3_codes_match_cpu_bit_for_bit(rng, dtype):
+    """Every 16-bit value in [-448, 448] quantized with scale 1 (each group of 128 holds 448): the
+    GPU's e4m3 codes equal the CPU's and an independent round-to-nearest-even conversion, ties,
+    subnormals and signed zeros included."""
+    import ml_dtypes
+
+    bits = np.arange(0, 0x5F01 if dtype == jnp.float16 else 0x43E1, dtype=np.uint16)
+    vals = bits.view(np.float16 if dtype == jnp.float16 else ml_dtypes.bfloat16).astype(np.float32)
+    vals = np.concatenate([vals, -vals])
+    assert vals.max() == 448.0
+    rng.shuffle(vals)
+    per = 127
+    vals = np.concatenate([vals, np.ones(-len(vals) % per, np.float32)]).reshape(-1, per)
+    groups = np.concatenate([np.full((len(vals), 1), 448.0, np.float32), vals], axis=1)  # scale 448 / 448 = 1
+    groups = np.concatenate([groups, np.full((-len(groups) % 2, 128), 448.0, np.float32)])
+    x = jnp.asarray(groups.reshape(-1, 256), dtype)
+    fn = lambda x: jax.lax.bitcast_convert_type(act_ops.quantize(x, "fp8", 128)[0], jnp.uint8)
+    cpu, gpu = both(fn, x)
+    want = np.asarray(x, np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(cpu, want, err_msg="CPU codes vs round-to-nearest-even")
+    np.testing.assert_array_equal(gpu, cpu, err_msg="GPU codes vs CPU codes")
+
+
 @pytest.mark.parametrize("dtype,h", [(jnp.bfloat16, 64), (jnp.float16, 37)])
 def test_finalize_matches_cpu_and_writes_every_row(rng, dtype, h):
     m, k, rows = 19, 4, 60

@@ -111,10 +111,6 @@ bool current_device(DeviceInfo* info) {
 }
 
 namespace {
-// The K tile of the mixed-input kind (gemm_prefill_sm90_u4_bf16.cu): scale groups must be whole
-// tiles or span K (humming_jax/ops/gemm.py, MIXED_TILE_K).
-constexpr int64_t kMixedTileK = 64;
-
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
 // bf16 activations and output, at least kDequantMinRowsPerExpert rows per expert: the mixed-input
 // kind. Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).

@@ -64,6 +64,9 @@ constexpr int64_t kMaxExperts = 8192;
 constexpr int64_t kMinRowsPerExpert = 32;
 constexpr int64_t kWideRowsPerExpert16 = 64;
 constexpr int64_t kWideRowsPerExpertFp8 = 128;
+// The K tile of Kind::kU4Bf16 (gemm_prefill_sm90_u4_bf16.cu): its scale groups must be whole tiles
+// or span K (humming_jax/ops/gemm.py, MIXED_TILE_K).
+constexpr int64_t kMixedTileK = 64;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {

@@ -110,7 +110,7 @@ DEQUANT_MIN_ROWS_PER_EXPERT = 64
 # multiple of 32, N of 8. $HUMMING_JAX_PREFILL_MIXED=0 (read when the call is traced, as by the
 # CUDA handler at each call) sends these calls back to the dequantizing path, for A/B timing.
 ENV_PREFILL_MIXED = "HUMMING_JAX_PREFILL_MIXED"
-MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.cu, kMixedTileK
+MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.h, kMixedTileK
 _MAX_EXPERTS = 8192  # cuda_ffi/gemm_prefill_sm90.h, kMaxExperts
 
 

@@ -77,6 +77,16 @@ struct LayoutAwareConvertImpl<hj::prefill::detail::u4o8_t, bfloat16_t, LayoutIn,
   }
 };
 
+// Any other conversion of the codes would read q rather than q - 8: a compile error.
+template <FloatRoundStyle Round>
+struct NumericConverter<bfloat16_t, hj::prefill::detail::u4o8_t, Round> {
+  static_assert(static_cast<int>(Round) < 0, "offset-8 codes convert through LayoutAwareConvertImpl only");
+};
+template <int N, FloatRoundStyle Round, typename Transform>
+struct NumericArrayConverter<bfloat16_t, hj::prefill::detail::u4o8_t, N, Round, Transform> {
+  static_assert(N < 0, "offset-8 codes convert through LayoutAwareConvertImpl only");
+};
+
 }  // namespace cutlass
 
 namespace hj {

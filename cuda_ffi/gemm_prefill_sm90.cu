@@ -35,6 +35,14 @@ bool disabled_by_env() {
   return v != nullptr && std::strcmp(v, "0") == 0;
 }
 
+// HUMMING_JAX_PREFILL_MIXED=0: the calls Kind::kU4Bf16 takes go to the dequantizing path instead
+// (read at each call, for A/B measurements; humming_jax/ops/gemm.py reads it when tracing to size
+// the workspace for the path taken).
+bool mixed_disabled_by_env() {
+  const char* v = std::getenv("HUMMING_JAX_PREFILL_MIXED");
+  return v != nullptr && std::strcmp(v, "0") == 0;
+}
+
 // HUMMING_JAX_PREFILL_TILE=64 or 128: the tile height regardless of rows per expert (0: by shape).
 int tile_rows_from_env() {
   const char* v = std::getenv("HUMMING_JAX_PREFILL_TILE");
@@ -71,6 +79,7 @@ const char* kind_name(Kind k) {
     case Kind::kBf16M64: return "bf16-m64";
     case Kind::kF16M64: return "fp16-m64";
     case Kind::kFp8Block128M64: return "fp8-block128-m64";
+    case Kind::kU4Bf16: return "u4-bf16";
     default: return "none";
   }
 }
@@ -102,6 +111,18 @@ bool current_device(DeviceInfo* info) {
 }
 
 namespace {
+// uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
+// bf16 activations and output, at least kDequantMinRowsPerExpert rows per expert: the mixed-input
+// kind. Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
+bool mixed_input_fits(const GemmProblem& p, int64_t R) {
+  const WeightView& w = p.w;
+  return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
+         w.scale_type == ElemType::kBF16 && w.scale != nullptr && w.group_n == 1 &&
+         (w.group_k % kMixedTileK == 0 || w.group_k >= p.K) && p.a.type == ElemType::kBF16 &&
+         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= kDequantMinRowsPerExpert * w.E &&
+         w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
+}
+
 Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   const WeightView& w = p.w;
   const int64_t E = w.E, N = p.N, K = p.K;
@@ -121,6 +142,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
   }
+  if (!mixed_disabled_by_env() && mixed_input_fits(p, R)) return Kind::kU4Bf16;
   // Quantized weights, 16-bit activations: dequantized chunks through the 16-bit kernel.
   if (!p.a.quantized() && p.c_type == p.a.type && (w.group_k % 8 == 0 || w.group_k >= K) && w.group_n >= 1) {
     if (p.a.type == ElemType::kBF16) return Kind::kBf16;
@@ -155,13 +177,15 @@ size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
     case Kind::kBf16M64: n = workspace_bytes_bf16_m64(E, sm_count); break;
     case Kind::kF16M64: n = workspace_bytes_f16_m64(E, sm_count); break;
     case Kind::kFp8Block128M64: n = workspace_bytes_fp8_block128_m64(E, sm_count); break;
+    case Kind::kU4Bf16: n = workspace_bytes_u4_bf16(E, sm_count); break;
     default: return 0;
   }
   return n + kWorkspaceAlign;
 }
 
 Error run_grouped(const std::string& call, const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream) {
-  const size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
+  size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
+  if (args.kind == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
   if (args.workspace == nullptr || args.workspace_bytes < need)
     return invalid(call, "the workspace result holds " + std::to_string(args.workspace_bytes) + " bytes; the " +
                              kind_name(args.kind) + " prefill kernel needs " + std::to_string(need) + " for E = " +
@@ -179,6 +203,7 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kBf16M64: err = run_bf16_m64(a, dev, stream); break;
     case Kind::kF16M64: err = run_f16_m64(a, dev, stream); break;
     case Kind::kFp8Block128M64: err = run_fp8_block128_m64(a, dev, stream); break;
+    case Kind::kU4Bf16: err = run_u4_bf16(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())
@@ -227,14 +252,22 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (disabled_by_env()) return Error::Success();
   DeviceInfo dev;
   if (!current_device(&dev)) return Error::Success();
-  const Kind kind = choose(p, R, dev);
+  Kind kind = choose(p, R, dev);
   if (kind == Kind::kNone) return Error::Success();
+  // A workspace without room for the transposed scales was sized for the dequantizing path (the
+  // call was traced with HUMMING_JAX_PREFILL_MIXED=0): that path then.
+  if (kind == Kind::kU4Bf16 &&
+      ws_bytes < workspace_bytes(kind, p.w.E, dev.sm_count) + mixed_scale_bytes(p.w.E, p.N, p.w.scale_cols()))
+    kind = Kind::kBf16;
   GroupedArgs g;
   g.kind = kind;
   g.a = p.a.data;
   g.a_scale = p.a.scale;
   g.w = p.w.data;
   g.w_scale = static_cast<const float*>(p.w.scale);
+  g.w_scale_raw = p.w.scale;
+  g.scale_cols = p.w.scale_cols();
+  g.group_k = p.w.group_k;
   g.bias = p.w.bias;
   g.offsets = offsets;
   g.c = p.c;

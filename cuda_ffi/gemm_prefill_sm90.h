@@ -30,6 +30,11 @@ enum class Kind : int {
   kBf16M64 = 4,
   kF16M64 = 5,
   kFp8Block128M64 = 6,
+  // uint4 codes (offset 8, no zero points) with bf16 scales per 1 x group_k (group_k whole 64-k
+  // tiles, or one group spanning K) x bf16 activations -> bf16, the codes converted and scaled in
+  // the mainloop (gemm_prefill_sm90_mixed.cuh). From kDequantMinRowsPerExpert rows per expert it
+  // takes these calls from the dequantizing path; HUMMING_JAX_PREFILL_MIXED=0 gives them back.
+  kU4Bf16 = 7,
 };
 
 // The kind on 64-row tiles of a 128-row kind, and back.
@@ -53,9 +58,15 @@ constexpr int64_t kMaxExperts = 8192;
 // 128-row tiles instead of 64-row ones, per kind as measured on the H200 (benchmarks/NOTES.md, v4:
 // at 64 rows per expert the 16-bit 128 x 256 tile still wins, the fp8 128 x 128 one does not).
 // HUMMING_JAX_PREFILL_TILE=64 or 128 forces one tile height at run time (for A/B measurements).
+// HUMMING_JAX_PREFILL_MIXED=0 sends the calls Kind::kU4Bf16 takes back to the dequantizing path
+// (read at each call here, and when the call is traced by humming_jax/ops/gemm.py, which then
+// requests the dequantization buffer instead of the transposed scales).
 constexpr int64_t kMinRowsPerExpert = 32;
 constexpr int64_t kWideRowsPerExpert16 = 64;
 constexpr int64_t kWideRowsPerExpertFp8 = 128;
+// The K tile of Kind::kU4Bf16 (gemm_prefill_sm90_u4_bf16.cu): its scale groups must be whole tiles
+// or span K (humming_jax/ops/gemm.py, MIXED_TILE_K).
+constexpr int64_t kMixedTileK = 64;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {
@@ -71,8 +82,10 @@ struct GroupedArgs {
   Kind kind = Kind::kNone;
   const void* a = nullptr;         // [R, K] 16-bit values or fp8 codes
   const float* a_scale = nullptr;  // fp8: [R, K / 128]
-  const void* w = nullptr;         // [E, N, K]
+  const void* w = nullptr;         // [E, N, K] (uint4: [E, N, K / 2] bytes)
   const float* w_scale = nullptr;  // fp8: [E, N / 128, K / 128]
+  const void* w_scale_raw = nullptr;  // uint4: [E, N, scale_cols] bf16
+  int64_t scale_cols = 0, group_k = 0;  // uint4
   const float* bias = nullptr;     // [E, N] or nullptr
   const int32_t* offsets = nullptr;  // [E + 1]
   void* c = nullptr;               // [R, N], a's 16-bit type (bf16 for fp8)
@@ -87,13 +100,21 @@ struct GroupedArgs {
 };
 
 // The kernel for this problem, or kNone (then the generic kernel runs). Host-side, from shapes,
-// dtypes and alignment only. Quantized weights with 16-bit activations get the 16-bit kind: they
-// are dequantized into the workspace a chunk of experts at a time (dequantize_experts) first.
+// dtypes and alignment only. uint4 weights with bf16 scales and activations get kU4Bf16 (unless
+// HUMMING_JAX_PREFILL_MIXED=0); other quantized weights with 16-bit activations get the 16-bit
+// kind: they are dequantized into the workspace a chunk of experts at a time (dequantize_experts)
+// first.
 Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev);
 
 // Workspace bytes a kind needs for E experts on a device with sm_count SMs, including the slack
 // for aligning the base (<= the bound kWorkspaceBase + kWorkspacePerExpert * E).
 size_t workspace_bytes(Kind kind, int64_t E, int sm_count);
+
+// What Kind::kU4Bf16 needs on top of workspace_bytes: the scales transposed to [E, scale_cols, N]
+// bf16 (humming_jax/ops/gemm.py, mixed_scale_bytes).
+constexpr size_t mixed_scale_bytes(int64_t E, int64_t N, int64_t scale_cols) {
+  return static_cast<size_t>(E) * static_cast<size_t>(N) * static_cast<size_t>(scale_cols) * 2;
+}
 
 // Launches the setup kernel and the GEMM on `stream`. Errors name the call; a workspace smaller
 // than workspace_bytes(kind, E, SMs) is an InvalidArgument that names the size needed.
@@ -117,12 +138,14 @@ size_t workspace_bytes_fp8_block128(int64_t E, int sm_count);
 size_t workspace_bytes_bf16_m64(int64_t E, int sm_count);
 size_t workspace_bytes_f16_m64(int64_t E, int sm_count);
 size_t workspace_bytes_fp8_block128_m64(int64_t E, int sm_count);
+size_t workspace_bytes_u4_bf16(int64_t E, int sm_count);
 std::string run_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_f16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_fp8_block128(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_bf16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_f16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_fp8_block128_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_u4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace hj

@@ -71,8 +71,11 @@ def _assert_close(got, want, dtype, what, tol=None):
 # Prefill: the CUTLASS grouped GEMM (cuda_ffi/gemm_prefill_sm90*). It takes gemm_grouped calls with
 # 16-bit weights or w8a8-fp8-block128, K and N multiples of 8 (128 for fp8), and at least
 # kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below 64 rows per
-# expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there);
-# HUMMING_JAX_PREFILL=0 turns it off.
+# expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); from 64 rows per
+# expert, uint4 codes without zero points with bf16 group scales and bf16 activations on the
+# mixed-input kernel, other quantized weights with 16-bit activations dequantized first;
+# HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 sends the mixed-input calls to the
+# dequantizing path.
 # ================================================================================================
 _PREFILL_LAUNCHES = _ffi.launch_counter("HjPrefillLaunches") if GPU is not None else None
 _SM90 = GPU is not None and str(getattr(GPU, "compute_capability", "")) == "9.0"
@@ -108,13 +111,15 @@ def _expert_map(e, kind):
     return jnp.arange(e, dtype=jnp.int32)
 
 
-def _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=False, dtype=None):
+def _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=False, dtype=None, weight=None):
     """GEMM operands built on the GPU: permuted (and for fp8, quantized) activations, offsets,
-    weights, bias; returned as host-independent jax arrays on the GPU."""
+    weights (the scheme's quantization of random values, or `weight`), bias; returned as
+    host-independent jax arrays on the GPU."""
     spec = SCHEMES[scheme]
     dtype = dtype or spec.default_dtype
     quant = act_quant_params(spec.act_key)
-    w = spec.quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
+    w = weight if weight is not None else spec.quantize(
+        (rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     b = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1) if bias else None
     x = jnp.asarray(rng.standard_normal((m, kdim)), dtype)
     ids, emap = _routing_ids(rng, m, k, e, kind), _expert_map(e, kind)
@@ -158,7 +163,8 @@ PREFILL_CASES = [
     ("w8a8-fp8-block128", None, 1024, 1, 8, 256, 512, "one_expert"),
     ("w8a8-fp8-block128", None, 1024, 4, 16, 256, 384, "tail"),
     # Quantized weights with 16-bit activations: experts dequantized into the workspace, then the
-    # 16-bit kernel (one launch: every expert fits the default buffer).
+    # 16-bit kernel (one launch: every expert fits the default buffer); int4 with bf16 scales and
+    # activations: the mixed-input kernel (more in test_prefill_mixed_input_*).
     ("w4a16-int4-g128", jnp.bfloat16, 1024, 2, 8, 384, 512, "uniform"),
     ("w4a16-int4-g128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
     ("w4a16-uint4-zp-g128", jnp.bfloat16, 1024, 2, 8, 256, 256, "tail"),
@@ -172,7 +178,8 @@ PREFILL_CASES = [
     ("bf16", None, 384, 8, 64, 384, 256, "zero_rows"),  # 48 on average, a third of the experts used
     ("w8a8-fp8-block128", None, 256, 2, 8, 768, 512, "uniform"),  # 64
     ("w8a8-fp8-block128", None, 256, 8, 64, 384, 256, "zero_rows"),  # 32
-    ("w4a16-int4-g128", jnp.bfloat16, 256, 2, 8, 384, 512, "uniform"),  # 64: dequantized, 128-row tiles
+    ("w4a16-int4-g128", jnp.bfloat16, 256, 2, 8, 384, 512, "uniform"),  # 64: the mixed-input kernel
+    ("w4a16-int4-g128", jnp.float16, 256, 2, 8, 384, 512, "uniform"),  # 64: dequantized, 128-row tiles
 ]
 
 
@@ -201,6 +208,8 @@ def test_prefill_grouped_gemm_matches_cpu(rng, scheme, dtype, m, k, e, n, kdim, 
         ("fp16", 4096, 4, 32, 1024, 1024),
         ("w8a8-fp8-block128", 4096, 8, 32, 2048, 2048),  # deepseek-v3-ep8 GEMM2-like (N cut)
         ("w8a8-fp8-block128", 4096, 8, 128, 2048, 768),  # qwen3-30b-a3b GEMM2
+        ("w4a16-int4-g128", 4096, 2, 8, 2048, 4096),  # mixtral-8x7b GEMM1-like on the mixed-input kernel
+        ("w4a16-int4-g128", 4096, 8, 128, 1536, 1024),  # qwen3-30b-a3b GEMM1-like (K cut)
     ],
 )
 def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme, m, k, e, n, kdim):
@@ -219,7 +228,9 @@ def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme
 def test_prefill_dequantizes_in_chunks_when_the_buffer_is_small(rng, monkeypatch):
     """A 1 MiB dequantization buffer holds 2 of the 8 experts (384 x 512 bf16 each): four chunks,
     each its own GEMM launch, the zero tail written once, the result as on the CPU; 0 MiB turns the
-    path off (the generic kernel runs)."""
+    path off (the generic kernel runs). (int4 with bf16 scales takes the dequantizing path only with
+    HUMMING_JAX_PREFILL_MIXED=0.)"""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
     monkeypatch.setenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, "1")
     p = _gemm_inputs(rng, "w4a16-int4-g128", 1024, 4, 8, 384, 512, "tail", bias=True)
     with _LaunchCount(_PREFILL_LAUNCHES) as launched:
@@ -234,6 +245,85 @@ def test_prefill_dequantizes_in_chunks_when_the_buffer_is_small(rng, monkeypatch
         again = _run_gemm(GPU, p)
     assert generic.count == 0
     _assert_close(again, want, p["dtype"], "int4 on the generic kernel")
+
+
+# uint4 codes (offset 8, no zero points) with bf16 group scales times bf16 activations, from 64 rows
+# per expert: the mixed-input kernel (Kind::kU4Bf16), which converts the codes in its mainloop. Such
+# a call requests no dequantization buffer (gemm_ops.mixed_prefill), so one prefill launch proves
+# the mixed-input kernel ran: the dequantizing path cannot run without its buffer.
+MIXED_CASES = [
+    # M tokens, top-k, E, N, K, group_k, routing, bias
+    (1024, 2, 8, 768, 512, 128, "uniform", True),
+    (1024, 2, 8, 768, 512, 128, "uniform", False),
+    (2048, 8, 64, 384, 640, 128, "zero_rows", False),  # two thirds of the experts empty; K = 5 groups
+    (1024, 1, 8, 256, 1152, 128, "one_expert", True),  # 1024 rows on one expert, none on the rest
+    (1024, 4, 16, 264, 384, 128, "tail", True),  # N not a multiple of the tile; rows past off[E]
+    (1024, 4, 16, 264, 384, 128, "tail", False),
+    (512, 2, 8, 200, 160, 160, "uniform", True),  # one group spanning K, K not a multiple of the 64-k tile
+    (1024, 2, 8, 256, 512, 256, "uniform", False),  # 256-k groups: four K tiles per scale
+    (256, 2, 8, 384, 512, 128, "uniform", True),  # 64 rows per expert, the least the kernel takes
+]
+
+
+def _mixed_weight(rng, e, n, kdim, group_k):
+    if group_k == 128:
+        return SCHEMES["w4a16-int4-g128"].quantize(
+            (rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), jnp.bfloat16)
+    return random_packed_weight(rng, WeightType.UINT4, e, n, kdim, group_k, scale_dtype=jnp.bfloat16)
+
+
+@requires_prefill
+@pytest.mark.parametrize("m,k,e,n,kdim,group_k,kind,bias", MIXED_CASES)
+def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, monkeypatch, m, k, e, n, kdim, group_k,
+                                                                        kind, bias):
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    p = _gemm_inputs(rng, "w4a16-int4-g128", m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16,
+                     weight=_mixed_weight(rng, e, n, kdim, group_k))
+    rows, what = p["a"].shape[0], f"int4 g{group_k} {kind} M={m} E={e} N={n} K={kdim} bias={bias}"
+    assert gemm_ops.mixed_prefill(rows, p["w"], jnp.bfloat16, False)
+    assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) == 0
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, "the mixed-input prefill kernel did not run"
+    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
+    last = int(np.asarray(p["off"])[-1])
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+    if kind == "tail":
+        assert last < got.shape[0], "the tail case must leave rows past off[E]"
+    # The same w' through the dequantizing path and the bf16 kernel: equal up to accumulation order.
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
+    assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) > 0
+    with _LaunchCount(_PREFILL_LAUNCHES) as dequantized:
+        again = _run_gemm(GPU, p)
+    assert dequantized.count == 1, "HUMMING_JAX_PREFILL_MIXED=0 must leave the call to the dequantizing path"
+    _assert_close(got, again, jnp.bfloat16, what + " against the dequantizing path", tol=2e-3)
+
+
+@requires_prefill
+@pytest.mark.parametrize(
+    "what,make",
+    [
+        ("fp16 activations", lambda rng: (SCHEMES["w4a16-int4-g128"].quantize(
+            (rng.standard_normal((8, 256, 512)) / 16).astype(np.float32), jnp.float16), jnp.float16)),
+        ("zero points", lambda rng: (SCHEMES["w4a16-uint4-zp-g128"].quantize(
+            (rng.standard_normal((8, 256, 512)) / 16).astype(np.float32), jnp.bfloat16), jnp.bfloat16)),
+        ("float32 scales", lambda rng: (random_packed_weight(rng, WeightType.UINT4, 8, 256, 512, 128,
+                                                             scale_dtype=np.float32), jnp.bfloat16)),
+        ("32-k groups", lambda rng: (random_packed_weight(rng, WeightType.UINT4, 8, 256, 512, 32,
+                                                          scale_dtype=jnp.bfloat16), jnp.bfloat16)),
+    ],
+)
+def test_prefill_mixed_input_declines_to_the_dequantizing_path(rng, what, make):
+    """int4 calls the mixed-input kernel does not take keep the dequantizing path (its buffer is
+    requested, one launch), with the CPU's result."""
+    w, dtype = make(rng)
+    p = _gemm_inputs(rng, "w4a16-int4-g128", 1024, 2, 8, 256, 512, "uniform", bias=True, dtype=dtype, weight=w)
+    assert not gemm_ops.mixed_prefill(p["a"].shape[0], p["w"], dtype, False), what
+    assert gemm_ops.dequant_buffer_bytes(p["a"].shape[0], p["w"], dtype, False) > 0, what
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, what
+    _assert_close(got, _run_gemm(CPU, p, poison=False), dtype, what)
 
 
 @requires_prefill
@@ -287,7 +377,8 @@ def test_prefill_tile_heights_agree(rng, monkeypatch, scheme, tile):
 
 
 @requires_prefill
-@pytest.mark.parametrize("scheme,m", [("bf16", 2048), ("w8a8-fp8-block128", 2048), ("bf16", 192), ("w8a8-fp8-block128", 192)])
+@pytest.mark.parametrize("scheme,m", [("bf16", 2048), ("w8a8-fp8-block128", 2048), ("bf16", 192), ("w8a8-fp8-block128", 192),
+                                      ("w4a16-int4-g128", 2048)])
 def test_prefill_is_deterministic(rng, scheme, m):
     p = _gemm_inputs(rng, scheme, m, 4, 16, 1024, 1024, "uniform", bias=True)
     runs = [_run_gemm(GPU, p) for _ in range(3)]
@@ -309,7 +400,8 @@ def test_prefill_rejects_a_too_small_workspace(rng):
 @pytest.mark.parametrize(
     "scheme,bias,e_global",
     [("bf16", False, None), ("bf16", True, None), ("fp16", False, None), ("w8a8-fp8-block128", False, None),
-     ("bf16", False, 16), ("w8a8-fp8-block128", False, 16)],
+     ("bf16", False, 16), ("w8a8-fp8-block128", False, 16), ("w4a16-int4-g128", True, None),
+     ("w4a16-int4-g128", False, 16)],
 )
 def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_global):
     layer = random_layer(rng, m=1024, e=8, h=512, i=256, k=2, scheme=scheme, bias=bias, e_global=e_global,
@@ -331,7 +423,7 @@ def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_glo
 
 
 @requires_prefill
-@pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128"])
+@pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128", "w4a16-int4-g128"])
 def test_prefill_command_buffers_give_the_same_results(tmp_path, scheme):
     """CUDA-graph capture and replay (command buffers on) against plain execution, in fresh
     processes (so the first use of the kernel, with its one-time setup, happens under capture)."""

@@ -66,8 +66,10 @@ def _int4(rng, e, n, k, group_k=128):
 def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
     """Prefill-sized calls with quantized weights and 16-bit activations get a buffer of whole
     experts (at least one, at most E) within $HUMMING_JAX_DEQUANT_WORKSPACE_MB; every other call
-    gets none."""
+    gets none. (int4 with bf16 scales and activations takes this path with
+    HUMMING_JAX_PREFILL_MIXED=0 only.)"""
     monkeypatch.delenv(gemm_ops.ENV_DEQUANT_WORKSPACE_MB, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
     e, n, k = 8, 384, 512
     w = _int4(rng, e, n, k)
     per = n * k * 2
@@ -88,6 +90,47 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
         gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False)
 
 
+def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatch):
+    """uint4 codes without zero points, bf16 scales per 1 x group_k (whole 64-k tiles or spanning
+    K) and bf16 activations from 64 rows per expert: the mixed-input kernel's transposed scales
+    (2 bytes per scale) and no dequantization buffer; HUMMING_JAX_PREFILL_MIXED=0 swaps the two."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    e, n, k = 8, 384, 512
+    w = _int4(rng, e, n, k)
+    rows = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
+    assert gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False)
+    assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == e * n * (k // 128) * 2
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
+    spanning = _int4(rng, e, n, 160, group_k=160)  # one group spanning K
+    assert gemm_ops.mixed_scale_bytes(rows, spanning, jnp.bfloat16, False) == e * n * 2
+    declined = {
+        "too few rows": (rows - 1, w, jnp.bfloat16),
+        "fp16 activations": (rows, w, jnp.float16),
+        "fp16 scales": (rows, PackedWeight(w.data, w.scale.astype(jnp.float16), wtype=WeightType.UINT4, k=k,
+                                           group_k=128), jnp.bfloat16),
+        "zero points": (rows, PackedWeight(w.data, w.scale, jnp.zeros(w.scale.shape, jnp.uint8),
+                                           wtype=WeightType.UINT4, k=k, group_k=128), jnp.bfloat16),
+        "scale2": (rows, PackedWeight(w.data, w.scale, None, jnp.ones((e,), jnp.float32), wtype=WeightType.UINT4,
+                                      k=k, group_k=128), jnp.bfloat16),
+        "32-k groups": (rows, _int4(rng, e, n, k, group_k=32), jnp.bfloat16),
+        "K not a multiple of 32": (rows, _int4(rng, e, n, 144, group_k=144), jnp.bfloat16),
+        "N not a multiple of 8": (rows, _int4(rng, e, 20, k), jnp.bfloat16),
+    }
+    for what, (r, wd, dtype) in declined.items():
+        assert not gemm_ops.mixed_prefill(r, wd, dtype, False), what
+        assert gemm_ops.mixed_scale_bytes(r, wd, dtype, False) == 0, what
+    assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, True)  # 8-bit activations
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
+    assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False)
+    assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 128 + e * n * k * 2
+
+
+def test_mixed_input_constants_match_the_cuda_sources():
+    assert cuda_constant("gemm_prefill_sm90.h", "kMixedTileK") == gemm_ops.MIXED_TILE_K
+    assert cuda_constant("gemm_prefill_sm90.h", "kMaxExperts") == gemm_ops._MAX_EXPERTS
+
+
 def test_min_rows_match_the_cuda_sources():
     assert cuda_constant("gemm_prefill_sm90.h", "kMinRowsPerExpert") == gemm_ops.MIN_ROWS_PER_EXPERT
     # The dequantizing path starts no later than where the decode kernel stops taking codes.
@@ -95,9 +138,12 @@ def test_min_rows_match_the_cuda_sources():
     assert cuda_constant("gemm_prefill_sm90.cu", "kDequantMinRowsPerExpert") == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
 
 
-def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rng):
-    """On the CPU the buffer is only requested (the handler ignores it); the result is the
-    dequantized product either way."""
+@pytest.mark.parametrize("mixed", ["1", "0"])
+def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rng, monkeypatch, mixed):
+    """On the CPU the buffer (the mixed-input kernel's transposed scales, or with
+    HUMMING_JAX_PREFILL_MIXED=0 the dequantized experts) is only requested (the handler ignores
+    it); the result is the dequantized product either way."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, mixed)
     e, n, k, topk = 2, 16, 256, 1
     m = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
     w = _int4(rng, e, n, k)
@@ -107,8 +153,10 @@ def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rn
     a = routing_ops.permute_rows(x, r, topk)
     f = jax.jit(lambda a, w, off: gemm_ops.gemm_grouped(a, None, w, None, off, out_dtype=jnp.bfloat16))
     hlo = f.lower(a, w, r.expert_first_token_offset).as_text()
-    size = gemm_ops.grouped_workspace_bytes(e) + gemm_ops.dequant_buffer_bytes(m, w, jnp.bfloat16, False)
-    assert size > gemm_ops.grouped_workspace_bytes(e)
+    dequant = gemm_ops.dequant_buffer_bytes(m, w, jnp.bfloat16, False)
+    scales = gemm_ops.mixed_scale_bytes(m, w, jnp.bfloat16, False)
+    assert (scales, dequant) == ((e * n * 2 * 2, 0) if mixed == "1" else (0, 128 + e * n * k * 2))
+    size = gemm_ops.grouped_workspace_bytes(e) + dequant + scales
     assert f"tensor<{size}xui8>" in hlo
     codes = np.asarray(w.data)
     q = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(e, n, k).astype(np.float32)  # even k: low nibble

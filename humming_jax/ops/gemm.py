@@ -102,11 +102,47 @@ MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
 
 
+# Among those, uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per
+# 1 x group_k and bf16 activations run on the mixed-input kernel instead (Kind::kU4Bf16 of
+# cuda_ffi/gemm_prefill_sm90.h): it converts the codes in its mainloop, so nothing is dequantized;
+# it needs only the scales transposed, E * N * ceil(K / group_k) bf16 values (mixed_scale_bytes), on
+# top of the grouped workspace. Scale groups must be whole K tiles of MIXED_TILE_K or span K; K a
+# multiple of 32, N of 8. $HUMMING_JAX_PREFILL_MIXED=0 (read when the call is traced, as by the
+# CUDA handler at each call) sends these calls back to the dequantizing path, for A/B timing.
+ENV_PREFILL_MIXED = "HUMMING_JAX_PREFILL_MIXED"
+MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.h, kMixedTileK
+_MAX_EXPERTS = 8192  # cuda_ffi/gemm_prefill_sm90.h, kMaxExperts
+
+
+def mixed_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> bool:
+    """Whether a ``gemm_grouped`` call of ``rows`` rows is one the mixed-input prefill kernel takes
+    (on an sm_90 device; elsewhere the workspace it asks for is ignored)."""
+    e, n, k = w.num_experts, w.n, w.k
+    if os.environ.get(ENV_PREFILL_MIXED, "") == "0":
+        return False
+    return (w.wtype == WeightType.UINT4 and w.zero is None and w.scale2 is None and w.scale is not None
+            and jnp.dtype(w.scale.dtype) == jnp.bfloat16 and not act_quantized
+            and jnp.dtype(act_dtype) == jnp.bfloat16 and w.group_n == 1
+            and (w.group_k % MIXED_TILE_K == 0 or w.group_k >= k) and k % 32 == 0 and n % 8 == 0
+            and 0 < e <= _MAX_EXPERTS and rows >= DEQUANT_MIN_ROWS_PER_EXPERT * e
+            and e * n * ((-(-k // w.group_k) + 7) // 8) < 2**31)
+
+
+def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
+    """Workspace bytes ``gemm_grouped`` adds for the mixed-input kernel's transposed scales (0 when
+    the call does not take that kernel)."""
+    if not mixed_prefill(rows, w, act_dtype, act_quantized):
+        return 0
+    return w.num_experts * w.n * -(-w.k // w.group_k) * 2
+
+
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
     """Workspace bytes ``gemm_grouped`` adds for dequantizing experts (0 when the call cannot take
     that path: 16-bit weights, 8-bit activations, too few rows per expert, K or N not a multiple
-    of 8, scale groups that are not whole 8-column runs)."""
+    of 8, scale groups that are not whole 8-column runs; or when the mixed-input kernel takes it)."""
     e, n, k = w.num_experts, w.n, w.k
+    if mixed_prefill(rows, w, act_dtype, act_quantized):
+        return 0
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
             or e <= 0 or rows < DEQUANT_MIN_ROWS_PER_EXPERT * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
         return 0
@@ -142,7 +178,8 @@ def gemm_grouped(
         (
             jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
             jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts)
-                                  + dequant_buffer_bytes(a.shape[0], w, a.dtype, a_scale is not None),), jnp.uint8),
+                                  + dequant_buffer_bytes(a.shape[0], w, a.dtype, a_scale is not None)
+                                  + mixed_scale_bytes(a.shape[0], w, a.dtype, a_scale is not None),), jnp.uint8),
         ),
         *ops,
         expert_first_token_offset,

@@ -327,18 +327,23 @@ def test_prefill_mixed_input_declines_to_the_dequantizing_path(rng, what, make):
 
 
 @requires_prefill
-@pytest.mark.parametrize("scheme,dtype,kdim", [
-    # power-of-two groups (the scale column by a shift) of 16, 32, 128 and K = 256
-    ("w4a16-int4-g128", jnp.bfloat16, 256), ("w4a16-int4-g128", jnp.float16, 256),
-    ("w4a16-uint4-zp-g128", jnp.bfloat16, 256), ("w4a16-mxfp4", jnp.bfloat16, 256),
-    ("w4a16-nvfp4", jnp.bfloat16, 256), ("w8a16-int8-channel", jnp.bfloat16, 256),
-    ("w8a16-fp8-block128", jnp.float16, 256), ("w8a16-fp8-block128", jnp.bfloat16, 256),
+@pytest.mark.parametrize("scheme,dtype,kdim,mixed", [
+    # int4 with bf16 scales and activations: the mixed-input kind's in-register w', and the
+    # dequantizing path's (HUMMING_JAX_PREFILL_MIXED=0)
+    ("w4a16-int4-g128", jnp.bfloat16, 256, True), ("w4a16-int4-g128", jnp.bfloat16, 256, False),
+    # the dequantizing path: power-of-two groups (the scale column by a shift) of 16, 32, 128, K
+    ("w4a16-int4-g128", jnp.float16, 256, False), ("w4a16-uint4-zp-g128", jnp.bfloat16, 256, False),
+    ("w4a16-mxfp4", jnp.bfloat16, 256, False), ("w4a16-nvfp4", jnp.bfloat16, 256, False),
+    ("w8a16-int8-channel", jnp.bfloat16, 256, False), ("w8a16-fp8-block128", jnp.float16, 256, False),
+    ("w8a16-fp8-block128", jnp.bfloat16, 256, False),
     # K = 136: 17 runs per row (lanes past the row's end) and a group of 136 (a division)
-    ("w8a16-int8-channel", jnp.float16, 136),
+    ("w8a16-int8-channel", jnp.float16, 136, False),
 ])
-def test_prefill_dequantization_is_exact(rng, scheme, dtype, kdim):
+def test_prefill_quantized_weights_are_exact(rng, monkeypatch, scheme, dtype, kdim, mixed):
     """One-hot activation rows make each output row one column of the dequantized weights (acc = w'
-    exactly, no bias): the dequantizing path must give the CPU's w' bit for bit."""
+    exactly, no bias): the prefill paths for quantized weights must give the CPU's w' bit for bit."""
+    if not mixed:
+        monkeypatch.setenv("HUMMING_JAX_PREFILL_MIXED", "0")
     p = _gemm_inputs(rng, scheme, 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
     rows = p["a"].shape[0]
     assert rows >= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * 8
@@ -347,7 +352,7 @@ def test_prefill_dequantization_is_exact(rng, scheme, dtype, kdim):
     p["a"] = jax.device_put(jnp.asarray(hot, dtype), GPU)
     with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         got = _run_gemm(GPU, p)
-    assert launched.count == 1, "the dequantizing prefill path did not run"
+    assert launched.count == 1, "the prefill kernel did not run"
     want = _run_gemm(CPU, p, poison=False)
     assert np.count_nonzero(want) > want.size // 2, "the weights must not be mostly zeros"
     np.testing.assert_array_equal(got, want, err_msg=f"{scheme} {jnp.dtype(dtype).name} K={kdim}")

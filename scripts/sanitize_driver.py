@@ -121,8 +121,9 @@ def main() -> None:
                                 k=21), None, jnp.float16, None)
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
-    # 128-row tiles for m = 300 and 64-row tiles for m = 60; int4 and mxfp4 through the
-    # dequantization buffer), with an empty expert, uneven expert sizes and rows past off[E].
+    # 128-row tiles for m = 300 and 64-row tiles for m = 60; at m = 300 int4 through the mixed-input
+    # kind and mxfp4 through the dequantization buffer, at m = 60 both through the decode kernel),
+    # with an empty expert, uneven expert sizes and rows past off[E].
     for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
                                        (300, 60)):
         spec = SCHEMES[scheme]

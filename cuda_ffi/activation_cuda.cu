@@ -127,6 +127,17 @@ __device__ __forceinline__ uint32_t code_byte(float v, float s) {
   }
 }
 
+// The codes of 8 consecutive values, first value in the lowest byte (one 8-byte store).
+template <ElemType QT>
+__device__ __forceinline__ uint2 pack_codes8(const float (&v)[kVec], float s) {
+  uint2 o;
+  o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
+        (code_byte<QT>(v[3], s) << 24);
+  o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
+        (code_byte<QT>(v[7], s) << 24);
+  return o;
+}
+
 template <ElemType XT>
 __global__ void __launch_bounds__(kVecThreads)
     activation_vec_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ y, int act, float limit,
@@ -173,12 +184,7 @@ __global__ void __launch_bounds__(kVecThreads)
     if (!ok) continue;
     const float s = quant_scale(kind, m);
     if (idx % TPG == 0) scale[idx / TPG] = s;
-    uint2 o;
-    o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
-          (code_byte<QT>(v[3], s) << 24);
-    o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
-          (code_byte<QT>(v[7], s) << 24);
-    *reinterpret_cast<uint2*>(q + static_cast<size_t>(idx) * kVec) = o;
+    *reinterpret_cast<uint2*>(q + static_cast<size_t>(idx) * kVec) = pack_codes8<QT>(v, s);
   }
 }
 
@@ -211,12 +217,7 @@ __global__ void __launch_bounds__(kVecThreads)
   for (int c = threadIdx.x; c < k8; c += kVecThreads) {
     float v[kVec];
     act8<XT>(act, limit, xr, K, c * kVec, v);
-    uint2 o;
-    o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
-          (code_byte<QT>(v[3], s) << 24);
-    o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
-          (code_byte<QT>(v[7], s) << 24);
-    *reinterpret_cast<uint2*>(qr + c * kVec) = o;
+    *reinterpret_cast<uint2*>(qr + c * kVec) = pack_codes8<QT>(v, s);
   }
 }
 

@@ -327,6 +327,16 @@ struct Kern {
     }
   }
 
+  // f(i, h, srow) for each of the lane's rows (row g + 8h of tile i; srow: its scale-grid index), the
+  // one shape of the scale and zero-point loads.
+  template <typename F>
+  static __device__ __forceinline__ void for_rows(const Item& it_, F&& f) {
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) f(i, h, it_.srow[i][h]);
+  }
+
   // Loads the lane's scales of iteration `it` (plain loads, consumed two iterations later).
   template <int TOKT>
   static __device__ __forceinline__ void load_scales(const DecodeLaunch& D, const Item& it_, int it, int wk,
@@ -356,21 +366,17 @@ struct Kern {
       const uint32_t sk0 = D.div_gk.div(k0);
       uint32_t sk1 = sk0;
       if constexpr (kNs == 2) sk1 = D.div_gk.div(min(k0 + (D.nslot == 2 ? kEpc / 2 : 0), kmax));
-#pragma unroll
-      for (int i = 0; i < kNT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t base = it_.srow[i][h];
-          s.w[i][h][0] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk0);
-          if constexpr (kNs == 2) s.w[i][h][1] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk1);
-        }
+      for_rows(it_, [&](int i, int h, uint32_t base) {
+        s.w[i][h][0] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk0);
+        if constexpr (kNs == 2) s.w[i][h][1] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk1);
+      });
       if constexpr (WT == WeightType::kUInt4) {
         s.z = 0x08080808u;
         if (w.zero) {
           uint32_t z = 0;
-#pragma unroll
-          for (int q = 0; q < kNT * 2; ++q)
-            z |= static_cast<uint32_t>(__ldg(w.zero + it_.srow[q >> 1][q & 1] + sk0)) << (8 * q);
+          for_rows(it_, [&](int i, int h, uint32_t base) {
+            z |= static_cast<uint32_t>(__ldg(w.zero + base + sk0)) << (8 * (i * 2 + h));
+          });
           s.z = z;
         }
       }

@@ -144,6 +144,17 @@ __global__ void __launch_bounds__(kRouteThreads) routing_kernel(RoutingArgs a) {
     for (int b = total / bm + tid; b < a.num_blocks; b += stride) a.blocks[b] = -1;
 }
 
+// The fields both layouts take from the inputs; the caller adds its outputs.
+RoutingArgs routing_inputs(const RoutingShape& s, const AnyBuffer& topk_ids, const AnyBuffer& expert_map) {
+  RoutingArgs a{};
+  a.ids = static_cast<const int32_t*>(topk_ids.untyped_data());
+  a.map = static_cast<const int32_t*>(expert_map.untyped_data());
+  a.entries = static_cast<int32_t>(s.M * s.top_k);
+  a.num_global = static_cast<int32_t>(s.num_global);
+  a.num_local = static_cast<int32_t>(s.num_local);
+  return a;
+}
+
 Error launch_routing(const std::string& call, cudaStream_t stream, const RoutingShape& s, bool indexed,
                      RoutingArgs args) {
   if (s.num_local > kMaxHistExperts)
@@ -167,12 +178,7 @@ Error RoutingIndexedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expe
   int64_t P = 0;
   HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
                                                    *block_expert_ids, *ntpp, *src_rows, &P));
-  RoutingArgs a{};
-  a.ids = static_cast<const int32_t*>(topk_ids.untyped_data());
-  a.map = static_cast<const int32_t*>(expert_map.untyped_data());
-  a.entries = static_cast<int32_t>(s.M * s.top_k);
-  a.num_global = static_cast<int32_t>(s.num_global);
-  a.num_local = static_cast<int32_t>(s.num_local);
+  RoutingArgs a = routing_inputs(s, topk_ids, expert_map);
   a.block_m = static_cast<int32_t>(block_m);
   a.order = static_cast<int32_t*>(sorted_ids->untyped_data());
   a.order_len = static_cast<int32_t>(P);
@@ -191,12 +197,7 @@ Error RoutingGroupedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expe
   HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
   HJ_RETURN_IF_ERROR(
       check_routing_grouped_outputs(call, s, topk_ids, expert_map, *permutation, *offsets, *src_rows));
-  RoutingArgs a{};
-  a.ids = static_cast<const int32_t*>(topk_ids.untyped_data());
-  a.map = static_cast<const int32_t*>(expert_map.untyped_data());
-  a.entries = static_cast<int32_t>(s.M * s.top_k);
-  a.num_global = static_cast<int32_t>(s.num_global);
-  a.num_local = static_cast<int32_t>(s.num_local);
+  RoutingArgs a = routing_inputs(s, topk_ids, expert_map);
   a.block_m = 1;
   a.order = static_cast<int32_t*>(permutation->untyped_data());
   a.order_len = a.entries;

@@ -24,6 +24,13 @@ constexpr size_t kWorkspaceAlign = 128;
 // or the generic one (gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped).
 constexpr int64_t kDequantMinRowsPerExpert = 64;
 
+// Kind::kU4Bf16 runs below this many rows per expert; from there the dequantizing path does
+// (humming_jax/ops/gemm.py, MIXED_MAX_ROWS_PER_EXPERT). Measured on the H200 (benchmarks/NOTES.md,
+// v5): at 64-256 rows per expert the mixed-input kind takes 0.50-0.73x the dequantizing path's
+// time, at 1024 rows 1.09x (its 128 x 128 tile against the bf16 kind's 128 x 256, the dequantizing
+// pass then amortized); the log-linear crossover is near 790.
+constexpr int64_t kMixedMaxRowsPerExpert = 768;
+
 // Prefill GEMMs launched by this process (host-side launches, not graph replays): lets the GPU
 // tests prove that a problem took this path rather than the generic kernel.
 std::atomic<uint64_t> g_launches{0};
@@ -112,14 +119,15 @@ bool current_device(DeviceInfo* info) {
 
 namespace {
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
-// bf16 activations and output, at least kDequantMinRowsPerExpert rows per expert: the mixed-input
-// kind. Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
+// bf16 activations and output, kDequantMinRowsPerExpert up to kMixedMaxRowsPerExpert rows per
+// expert: the mixed-input kind. Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
 bool mixed_input_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
   return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kBF16 && w.scale != nullptr && w.group_n == 1 &&
          (w.group_k % kMixedTileK == 0 || w.group_k >= p.K) && p.a.type == ElemType::kBF16 &&
          p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= kDequantMinRowsPerExpert * w.E &&
+         R < kMixedMaxRowsPerExpert * w.E &&
          w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
 }
 

@@ -65,6 +65,7 @@ Kind narrow_kind(Kind k) {
     case Kind::kBf16: return Kind::kBf16M64;
     case Kind::kF16: return Kind::kF16M64;
     case Kind::kFp8Block128: return Kind::kFp8Block128M64;
+    case Kind::kU4Bf16: return Kind::kU4Bf16N64;
     default: return k;
   }
 }
@@ -74,6 +75,7 @@ Kind wide_kind(Kind k) {
     case Kind::kBf16M64: return Kind::kBf16;
     case Kind::kF16M64: return Kind::kF16;
     case Kind::kFp8Block128M64: return Kind::kFp8Block128;
+    case Kind::kU4Bf16N64: return Kind::kU4Bf16;
     default: return k;
   }
 }
@@ -87,6 +89,7 @@ const char* kind_name(Kind k) {
     case Kind::kF16M64: return "fp16-m64";
     case Kind::kFp8Block128M64: return "fp8-block128-m64";
     case Kind::kU4Bf16: return "u4-bf16";
+    case Kind::kU4Bf16N64: return "u4-bf16-n64";
     default: return "none";
   }
 }
@@ -119,14 +122,15 @@ bool current_device(DeviceInfo* info) {
 
 namespace {
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
-// bf16 activations and output, kDequantMinRowsPerExpert up to kMixedMaxRowsPerExpert rows per
-// expert: the mixed-input kind. Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
+// bf16 activations and output, kMinRowsPerExpert up to kMixedMaxRowsPerExpert rows per expert:
+// the mixed-input kinds (below kDequantMinRowsPerExpert they take these calls from the decode
+// kernel, which streams the codes once per 16 rows). Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
 bool mixed_input_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
   return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kBF16 && w.scale != nullptr && w.group_n == 1 &&
          (w.group_k % kMixedTileK == 0 || w.group_k >= p.K) && p.a.type == ElemType::kBF16 &&
-         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= kDequantMinRowsPerExpert * w.E &&
+         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= kMinRowsPerExpert * w.E &&
          R < kMixedMaxRowsPerExpert * w.E &&
          w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
 }
@@ -171,7 +175,9 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   if (wide == Kind::kNone) return wide;
   const int forced = tile_rows_from_env();
   if (forced == 128) return wide;
-  const int64_t wide_from = wide == Kind::kFp8Block128 ? kWideRowsPerExpertFp8 : kWideRowsPerExpert16;
+  const int64_t wide_from = wide == Kind::kFp8Block128 ? kWideRowsPerExpertFp8
+                            : wide == Kind::kU4Bf16    ? kWideRowsPerExpertMixed
+                                                       : kWideRowsPerExpert16;
   if (forced == 64 || R < wide_from * p.w.E) return narrow_kind(wide);
   return wide;
 }
@@ -186,6 +192,7 @@ size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
     case Kind::kF16M64: n = workspace_bytes_f16_m64(E, sm_count); break;
     case Kind::kFp8Block128M64: n = workspace_bytes_fp8_block128_m64(E, sm_count); break;
     case Kind::kU4Bf16: n = workspace_bytes_u4_bf16(E, sm_count); break;
+    case Kind::kU4Bf16N64: n = workspace_bytes_u4_bf16_n64(E, sm_count); break;
     default: return 0;
   }
   return n + kWorkspaceAlign;
@@ -193,7 +200,7 @@ size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
 
 Error run_grouped(const std::string& call, const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream) {
   size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
-  if (args.kind == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
+  if (wide_kind(args.kind) == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
   if (args.workspace == nullptr || args.workspace_bytes < need)
     return invalid(call, "the workspace result holds " + std::to_string(args.workspace_bytes) + " bytes; the " +
                              kind_name(args.kind) + " prefill kernel needs " + std::to_string(need) + " for E = " +
@@ -212,6 +219,7 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kF16M64: err = run_f16_m64(a, dev, stream); break;
     case Kind::kFp8Block128M64: err = run_fp8_block128_m64(a, dev, stream); break;
     case Kind::kU4Bf16: err = run_u4_bf16(a, dev, stream); break;
+    case Kind::kU4Bf16N64: err = run_u4_bf16_n64(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())
@@ -264,7 +272,7 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (kind == Kind::kNone) return Error::Success();
   // A workspace without room for the transposed scales was sized for the dequantizing path (the
   // call was traced with HUMMING_JAX_PREFILL_MIXED=0): that path then.
-  if (kind == Kind::kU4Bf16 &&
+  if (wide_kind(kind) == Kind::kU4Bf16 &&
       ws_bytes < workspace_bytes(kind, p.w.E, dev.sm_count) + mixed_scale_bytes(p.w.E, p.N, p.w.scale_cols()))
     kind = Kind::kBf16;
   GroupedArgs g;

@@ -35,6 +35,9 @@ enum class Kind : int {
   // the mainloop (gemm_prefill_sm90_mixed.cuh). From kDequantMinRowsPerExpert rows per expert it
   // takes these calls from the dequantizing path; HUMMING_JAX_PREFILL_MIXED=0 gives them back.
   kU4Bf16 = 7,
+  // The same on tiles of 64 token rows, for experts of kMinRowsPerExpert up to
+  // kWideRowsPerExpertMixed rows on average.
+  kU4Bf16N64 = 8,
 };
 
 // The kind on 64-row tiles of a 128-row kind, and back.
@@ -67,6 +70,7 @@ constexpr int64_t kWideRowsPerExpertFp8 = 128;
 // The K tile of Kind::kU4Bf16 (gemm_prefill_sm90_u4_bf16.cu): its scale groups must be whole tiles
 // or span K (humming_jax/ops/gemm.py, MIXED_TILE_K).
 constexpr int64_t kMixedTileK = 64;
+constexpr int64_t kWideRowsPerExpertMixed = 128;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {
@@ -139,6 +143,7 @@ size_t workspace_bytes_bf16_m64(int64_t E, int sm_count);
 size_t workspace_bytes_f16_m64(int64_t E, int sm_count);
 size_t workspace_bytes_fp8_block128_m64(int64_t E, int sm_count);
 size_t workspace_bytes_u4_bf16(int64_t E, int sm_count);
+size_t workspace_bytes_u4_bf16_n64(int64_t E, int sm_count);
 std::string run_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_f16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_fp8_block128(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
@@ -146,6 +151,7 @@ std::string run_bf16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStr
 std::string run_f16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_fp8_block128_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_u4_bf16_n64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace hj

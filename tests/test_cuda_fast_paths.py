@@ -208,8 +208,8 @@ def test_prefill_grouped_gemm_matches_cpu(rng, scheme, dtype, m, k, e, n, kdim, 
         ("fp16", 4096, 4, 32, 1024, 1024),
         ("w8a8-fp8-block128", 4096, 8, 32, 2048, 2048),  # deepseek-v3-ep8 GEMM2-like (N cut)
         ("w8a8-fp8-block128", 4096, 8, 128, 2048, 768),  # qwen3-30b-a3b GEMM2
-        ("w4a16-int4-g128", 4096, 2, 8, 2048, 4096),  # mixtral-8x7b GEMM1-like on the mixed-input kernel
-        ("w4a16-int4-g128", 4096, 8, 128, 1536, 1024),  # qwen3-30b-a3b GEMM1-like (K cut)
+        ("w4a16-int4-g128", 4096, 2, 8, 2048, 4096),  # mixtral-8x7b GEMM1-like: 1024 rows per expert, dequantized
+        ("w4a16-int4-g128", 4096, 8, 128, 1536, 1024),  # qwen3-30b-a3b GEMM1-like (K cut): the mixed-input kernel
     ],
 )
 def test_prefill_matches_generic_kernel_at_model_shapes(rng, monkeypatch, scheme, m, k, e, n, kdim):
@@ -261,7 +261,12 @@ MIXED_CASES = [
     (1024, 4, 16, 264, 384, 128, "tail", False),
     (512, 2, 8, 200, 160, 160, "uniform", True),  # one group spanning K, K not a multiple of the 64-k tile
     (1024, 2, 8, 256, 512, 256, "uniform", False),  # 256-k groups: four K tiles per scale
-    (256, 2, 8, 384, 512, 128, "uniform", True),  # 64 rows per expert, the least the kernel takes
+    # Below kWideRowsPerExpertMixed = 128 rows per expert: 64-token tiles.
+    (256, 2, 8, 384, 512, 128, "uniform", True),  # 64 rows per expert
+    (128, 2, 8, 384, 512, 128, "uniform", True),  # 32, the least the kernels take (else the decode kernel's)
+    (192, 2, 8, 264, 384, 128, "tail", False),  # 48, rows past off[E]
+    (512, 8, 64, 384, 640, 128, "zero_rows", True),  # 64 on average, ~190 on the used experts: several tiles each
+    (448, 2, 8, 200, 160, 160, "uniform", False),  # 112, one group spanning K
 ]
 
 
@@ -290,13 +295,15 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
     assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
     if kind == "tail":
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
-    # The same w' through the dequantizing path and the bf16 kernel: equal up to accumulation order.
+    # The same w' through the dequantizing path and the bf16 kernel (below 64 rows per expert: the
+    # decode kernel): equal up to accumulation order.
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
-    assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) > 0
+    dequantizing = rows >= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
+    assert (gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) > 0) == dequantizing
     with _LaunchCount(_PREFILL_LAUNCHES) as dequantized:
         again = _run_gemm(GPU, p)
-    assert dequantized.count == 1, "HUMMING_JAX_PREFILL_MIXED=0 must leave the call to the dequantizing path"
-    _assert_close(got, again, jnp.bfloat16, what + " against the dequantizing path", tol=2e-3)
+    assert dequantized.count == int(dequantizing), "HUMMING_JAX_PREFILL_MIXED=0 must give the call back"
+    _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
 
 
 @requires_prefill
@@ -383,7 +390,7 @@ def test_prefill_tile_heights_agree(rng, monkeypatch, scheme, tile):
 
 @requires_prefill
 @pytest.mark.parametrize("scheme,m", [("bf16", 2048), ("w8a8-fp8-block128", 2048), ("bf16", 192), ("w8a8-fp8-block128", 192),
-                                      ("w4a16-int4-g128", 2048)])
+                                      ("w4a16-int4-g128", 2048), ("w4a16-int4-g128", 192)])
 def test_prefill_is_deterministic(rng, scheme, m):
     p = _gemm_inputs(rng, scheme, m, 4, 16, 1024, 1024, "uniform", bias=True)
     runs = [_run_gemm(GPU, p) for _ in range(3)]
@@ -647,11 +654,13 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
 @pytest.mark.parametrize("scheme,m,k,kind", [("w4a16-int4-g128", 64, 4, "uniform"), ("w4a16-mxfp4", 96, 4, "tail"),
                                              ("w8a16-int8-channel", 240, 2, "zero_rows"),
                                              ("w4a16-uint4-zp-g128", 120, 4, "uniform")])
-def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, scheme, m, k, kind):
+def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, monkeypatch, scheme, m, k, kind):
     """32 to 63 rows per expert on average (8 experts) with quantized weights and 16-bit
     activations, once the decode kernel takes them: no dequantization buffer is requested, the
     prefill kernel declines and the decode kernel runs several 16-row items per expert; the result
-    is the CPU's."""
+    is the CPU's. (int4 with bf16 scales goes to the mixed-input prefill kernel unless
+    HUMMING_JAX_PREFILL_MIXED=0.)"""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
     p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")  # no room for an expert either
     with _LaunchCount(_PREFILL_LAUNCHES) as prefill, _LaunchCount(_DECODE_LAUNCHES) as decode:
         got = _run_gemm(GPU, p)

@@ -92,7 +92,7 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
 
 def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatch):
     """uint4 codes without zero points, bf16 scales per 1 x group_k (whole 64-k tiles or spanning
-    K) and bf16 activations at 64 to 767 rows per expert: the mixed-input kernel's transposed scales
+    K) and bf16 activations at 32 to 767 rows per expert: the mixed-input kernel's transposed scales
     (2 bytes per scale) and no dequantization buffer; HUMMING_JAX_PREFILL_MIXED=0 swaps the two."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
     e, n, k = 8, 384, 512
@@ -104,7 +104,7 @@ def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatc
     spanning = _int4(rng, e, n, 160, group_k=160)  # one group spanning K
     assert gemm_ops.mixed_scale_bytes(rows, spanning, jnp.bfloat16, False) == e * n * 2
     declined = {
-        "too few rows": (rows - 1, w, jnp.bfloat16),
+        "too few rows": (gemm_ops.MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16),
         "too many rows": (gemm_ops.MIXED_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16),
         "fp16 activations": (rows, w, jnp.float16),
         "fp16 scales": (rows, PackedWeight(w.data, w.scale.astype(jnp.float16), wtype=WeightType.UINT4, k=k,
@@ -121,6 +121,10 @@ def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatc
         assert not gemm_ops.mixed_prefill(r, wd, dtype, False), what
         assert gemm_ops.mixed_scale_bytes(r, wd, dtype, False) == 0, what
     assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, True)  # 8-bit activations
+    small = gemm_ops.MIN_ROWS_PER_EXPERT * e  # below the dequantizing path: the 64-token tiles
+    assert gemm_ops.mixed_prefill(small, w, jnp.bfloat16, False)
+    assert gemm_ops.mixed_scale_bytes(small, w, jnp.bfloat16, False) == e * n * (k // 128) * 2
+    assert gemm_ops.dequant_buffer_bytes(small, w, jnp.bfloat16, False) == 0
     big = gemm_ops.MIXED_MAX_ROWS_PER_EXPERT * e  # the dequantizing path's again
     assert gemm_ops.mixed_prefill(big - 1, w, jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(big, w, jnp.bfloat16, False) == 128 + e * n * k * 2

@@ -103,8 +103,9 @@ DEQUANT_MIN_ROWS_PER_EXPERT = 64
 
 
 # Among those, uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per
-# 1 x group_k and bf16 activations below MIXED_MAX_ROWS_PER_EXPERT rows per expert run on the
-# mixed-input kernel instead (Kind::kU4Bf16 of
+# 1 x group_k and bf16 activations from MIN_ROWS_PER_EXPERT to below MIXED_MAX_ROWS_PER_EXPERT rows
+# per expert run on the mixed-input kernel instead (also below DEQUANT_MIN_ROWS_PER_EXPERT, where
+# the decode kernel would stream the codes once per 16 rows) (Kind::kU4Bf16 of
 # cuda_ffi/gemm_prefill_sm90.h): it converts the codes in its mainloop, so nothing is dequantized;
 # it needs only the scales transposed, E * N * ceil(K / group_k) bf16 values (mixed_scale_bytes), on
 # top of the grouped workspace. Scale groups must be whole K tiles of MIXED_TILE_K or span K; K a
@@ -128,7 +129,7 @@ def mixed_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: boo
             and jnp.dtype(w.scale.dtype) == jnp.bfloat16 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and w.group_n == 1
             and (w.group_k % MIXED_TILE_K == 0 or w.group_k >= k) and k % 32 == 0 and n % 8 == 0
-            and 0 < e <= _MAX_EXPERTS and DEQUANT_MIN_ROWS_PER_EXPERT * e <= rows < MIXED_MAX_ROWS_PER_EXPERT * e
+            and 0 < e <= _MAX_EXPERTS and MIN_ROWS_PER_EXPERT * e <= rows < MIXED_MAX_ROWS_PER_EXPERT * e
             and e * n * ((-(-k // w.group_k) + 7) // 8) < 2**31)
 
 

@@ -385,6 +385,32 @@ std::string device_setup(int device, int* max_active_clusters) {
   return {};
 }
 
+// Blocks of the setup kernel for `work` 16-byte items (zero-tail vectors, transposed scales): about
+// eight per thread, at least one, at most two per SM.
+inline int64_t setup_blocks(int64_t work, int sm_count) {
+  const int64_t blocks = (work + kSetupThreads * 8 - 1) / (kSetupThreads * 8);
+  return blocks < 1 ? 1 : (blocks > 2 * sm_count ? 2 * sm_count : blocks);
+}
+
+// The grouped GEMM of `args` (its per-expert arrays already written on the device): CUTLASS's
+// checks, its workspace initialized in `workspace`, the launch on `stream`.
+template <class G>
+std::string launch_gemm(typename G::Arguments args, void* workspace, int device, cudaStream_t stream) {
+  args.hw_info.device_id = device;
+  if (!G::Kernel::can_implement(args)) return "CUTLASS cannot implement these arguments";
+  cutlass::Status st = G::Kernel::initialize_workspace(args, workspace, stream);
+  if (st != cutlass::Status::kSuccess)
+    return std::string("initialize_workspace: ") + cutlass::cutlassGetStatusString(st);
+  typename G::Params params = G::Kernel::to_underlying_arguments(args, workspace);
+  st = G::Gemm::run(params, stream);
+  if (st != cutlass::Status::kSuccess) {
+    const cudaError_t e = cudaGetLastError();
+    return std::string("launching the grouped GEMM: ") + cutlass::cutlassGetStatusString(st) + " (" +
+           cudaGetErrorString(e) + ")";
+  }
+  return {};
+}
+
 template <class G>
 std::string run(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   using ElementAB = typename G::ElementAB;
@@ -415,28 +441,14 @@ std::string run(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream
   s.K = g.K;
   // Enough blocks that a large zero tail (expert parallelism: most rows elsewhere) is written at
   // bandwidth; an empty tail costs each block one pass over the offsets.
-  const int64_t vectors = g.R * g.N * static_cast<int64_t>(sizeof(ElementD)) / 16;
-  int64_t blocks = (vectors + kSetupThreads * 8 - 1) / (kSetupThreads * 8);
-  blocks = blocks < 1 ? 1 : (blocks > 2 * dev.sm_count ? 2 * dev.sm_count : blocks);
-  if (!g.zero_tail) blocks = 1;
+  const int64_t blocks =
+      g.zero_tail ? setup_blocks(g.R * g.N * static_cast<int64_t>(sizeof(ElementD)) / 16, dev.sm_count) : 1;
   setup_groups<G><<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(s);
-  cudaError_t e = cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launching setup_groups: ") + cudaGetErrorString(e);
 
-  typename G::Arguments args = G::arguments(groups, dev.sm_count, clusters, arr, g.bias != nullptr);
-  args.hw_info.device_id = dev.device;
-  if (!G::Kernel::can_implement(args)) return "CUTLASS cannot implement these arguments";
-  cutlass::Status st = G::Kernel::initialize_workspace(args, g.workspace, stream);
-  if (st != cutlass::Status::kSuccess)
-    return std::string("initialize_workspace: ") + cutlass::cutlassGetStatusString(st);
-  typename G::Params params = G::Kernel::to_underlying_arguments(args, g.workspace);
-  st = G::Gemm::run(params, stream);
-  if (st != cutlass::Status::kSuccess) {
-    e = cudaGetLastError();
-    return std::string("launching the grouped GEMM: ") + cutlass::cutlassGetStatusString(st) + " (" +
-           cudaGetErrorString(e) + ")";
-  }
-  return {};
+  return launch_gemm<G>(G::arguments(groups, dev.sm_count, clusters, arr, g.bias != nullptr), g.workspace,
+                        dev.device, stream);
 }
 
 }  // namespace detail

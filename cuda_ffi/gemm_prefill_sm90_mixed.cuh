@@ -329,29 +329,15 @@ std::string run_mixed(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t 
   s.K = g.K;
   s.scale_cols = g.scale_cols;
   // Enough blocks that the zero tail and the scale transposition run at bandwidth.
-  const int64_t work = std::max<int64_t>(g.R * g.N * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16,
-                                         g.E * g.N * ((g.scale_cols + 7) / 8));
-  int64_t blocks = (work + kSetupThreads * 8 - 1) / (kSetupThreads * 8);
-  blocks = blocks < 1 ? 1 : (blocks > 2 * dev.sm_count ? 2 * dev.sm_count : blocks);
+  const int64_t blocks = setup_blocks(std::max<int64_t>(g.R * g.N * static_cast<int64_t>(sizeof(typename G::ElementD)) / 16,
+                                                       g.E * g.N * ((g.scale_cols + 7) / 8)),
+                                      dev.sm_count);
   setup_mixed_groups<G><<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(s);
-  cudaError_t e = cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return std::string("launching setup_mixed_groups: ") + cudaGetErrorString(e);
 
-  typename G::Arguments args =
-      G::arguments(g.E, dev.sm_count, clusters, arr, static_cast<int>(chunk), g.bias != nullptr);
-  args.hw_info.device_id = dev.device;
-  if (!G::Kernel::can_implement(args)) return "CUTLASS cannot implement these arguments";
-  cutlass::Status st = G::Kernel::initialize_workspace(args, g.workspace, stream);
-  if (st != cutlass::Status::kSuccess)
-    return std::string("initialize_workspace: ") + cutlass::cutlassGetStatusString(st);
-  typename G::Params params = G::Kernel::to_underlying_arguments(args, g.workspace);
-  st = G::Gemm::run(params, stream);
-  if (st != cutlass::Status::kSuccess) {
-    e = cudaGetLastError();
-    return std::string("launching the grouped GEMM: ") + cutlass::cutlassGetStatusString(st) + " (" +
-           cudaGetErrorString(e) + ")";
-  }
-  return {};
+  return launch_gemm<G>(G::arguments(g.E, dev.sm_count, clusters, arr, static_cast<int>(chunk), g.bias != nullptr),
+                        g.workspace, dev.device, stream);
 }
 
 }  // namespace detail

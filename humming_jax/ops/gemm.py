@@ -102,15 +102,15 @@ MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
 
 
-# Among those, uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per
-# 1 x group_k and bf16 activations from MIN_ROWS_PER_EXPERT to below MIXED_MAX_ROWS_PER_EXPERT rows
-# per expert run on the mixed-input kernel instead (also below DEQUANT_MIN_ROWS_PER_EXPERT, where
-# the decode kernel would stream the codes once per 16 rows) (Kind::kU4Bf16 of
-# cuda_ffi/gemm_prefill_sm90.h): it converts the codes in its mainloop, so nothing is dequantized;
-# it needs only the scales transposed, E * N * ceil(K / group_k) bf16 values (mixed_scale_bytes), on
-# top of the grouped workspace. Scale groups must be whole K tiles of MIXED_TILE_K or span K; K a
-# multiple of 32, N of 8. $HUMMING_JAX_PREFILL_MIXED=0 (read when the call is traced, as by the
-# CUDA handler at each call) sends these calls back to the dequantizing path, for A/B timing.
+# uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k and
+# bf16 activations run on the mixed-input kernels (Kind::kU4Bf16 / kU4Bf16N64 of
+# cuda_ffi/gemm_prefill_sm90.h) from MIN_ROWS_PER_EXPERT to below MIXED_MAX_ROWS_PER_EXPERT rows per
+# expert, instead of the decode kernel or the dequantizing path: they convert the codes in their
+# mainloop, so nothing is dequantized, and need only the scales transposed, E * N * ceil(K / group_k)
+# bf16 values (mixed_scale_bytes) on top of the grouped workspace. Scale groups must be whole K
+# tiles of MIXED_TILE_K or span K; K a multiple of 32, N of 8. $HUMMING_JAX_PREFILL_MIXED=0 (read
+# when the call is traced, as by the CUDA handler at each call) gives these calls back to the other
+# paths, for A/B timing.
 ENV_PREFILL_MIXED = "HUMMING_JAX_PREFILL_MIXED"
 MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.h, kMixedTileK
 # Below this many rows per expert (cuda_ffi/gemm_prefill_sm90.cu, kMixedMaxRowsPerExpert): from there

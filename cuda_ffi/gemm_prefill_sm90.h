@@ -32,8 +32,9 @@ enum class Kind : int {
   kFp8Block128M64 = 6,
   // uint4 codes (offset 8, no zero points) with bf16 scales per 1 x group_k (group_k whole 64-k
   // tiles, or one group spanning K) x bf16 activations -> bf16, the codes converted and scaled in
-  // the mainloop (gemm_prefill_sm90_mixed.cuh). From kDequantMinRowsPerExpert rows per expert it
-  // takes these calls from the dequantizing path; HUMMING_JAX_PREFILL_MIXED=0 gives them back.
+  // the mainloop (gemm_prefill_sm90_mixed.cuh). From kMinRowsPerExpert to below
+  // kMixedMaxRowsPerExpert (gemm_prefill_sm90.cu) rows per expert it takes these calls from the
+  // decode kernel and the dequantizing path; HUMMING_JAX_PREFILL_MIXED=0 gives them back.
   kU4Bf16 = 7,
   // The same on tiles of 64 token rows, for experts of kMinRowsPerExpert up to
   // kWideRowsPerExpertMixed rows on average.

@@ -1,7 +1,8 @@
 // The prefill grouped GEMM on 4-bit weight codes (gemm_prefill_sm90.h, Kind::kU4Bf16 and
 // kU4Bf16N64): CUTLASS's ptr-array mixed-input collective, which loads the codes by TMA, converts
 // and scales them in registers and feeds them to a register-sourced wgmma, so no dequantized copy
-// of the weights is ever written. Included by one translation unit per configuration (gemm_prefill_sm90_u4_*.cu).
+// of the weights is ever written. Included by one translation unit per configuration
+// (gemm_prefill_sm90_u4_*.cu).
 //
 // The narrow operand must be wgmma's A (the register one), so each expert computes the transposed
 // product D^T = W A^T: the problem of expert e is (N, rows_e, K) with

@@ -71,11 +71,12 @@ def _assert_close(got, want, dtype, what, tol=None):
 # Prefill: the CUTLASS grouped GEMM (cuda_ffi/gemm_prefill_sm90*). It takes gemm_grouped calls with
 # 16-bit weights or w8a8-fp8-block128, K and N multiples of 8 (128 for fp8), and at least
 # kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below 64 rows per
-# expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); from 64 rows per
-# expert, uint4 codes without zero points with bf16 group scales and bf16 activations on the
-# mixed-input kernel, other quantized weights with 16-bit activations dequantized first;
-# HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 sends the mixed-input calls to the
-# dequantizing path.
+# expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); uint4 codes
+# without zero points with bf16 group scales and bf16 activations at 32-767 rows per expert on the
+# mixed-input kernels (64-token tiles below 128 rows), other quantized weights with 16-bit
+# activations from 64 rows per expert (int4 from 768) dequantized first;
+# HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 gives the mixed-input calls to the
+# decode kernel or the dequantizing path.
 # ================================================================================================
 _PREFILL_LAUNCHES = _ffi.launch_counter("HjPrefillLaunches") if GPU is not None else None
 _SM90 = GPU is not None and str(getattr(GPU, "compute_capability", "")) == "9.0"

@@ -180,6 +180,16 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
 __device__ __forceinline__ float f16_lo(uint32_t x) { return __half2float(__ushort_as_half(static_cast<unsigned short>(x))); }
 __device__ __forceinline__ float f16_hi(uint32_t x) { return __half2float(__ushort_as_half(static_cast<unsigned short>(x >> 16))); }
 
+// m16n8k32 with s8 operands (four codes per register) into int32, exact. Fragments as m16n8k16's
+// with four k per register.
+__device__ __forceinline__ void mma_s8_16832(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Codes as exact f16 pairs (the 8-bit-activation MMA operands, and the first step of the float32
 // path). Pair p of a 4-bit word holds nibbles p and p + 4 (k and k + 4); pair p of an 8-bit word
@@ -254,6 +264,9 @@ template <WeightType WT, ActKind AK, Deq DQ, bool SF>
 struct Kern {
   static constexpr bool kQ8 = AK == ActKind::kFp8 || AK == ActKind::kI8;
   static constexpr bool kF16 = AK != ActKind::kBF16;  // MMA operand type: f16 (also for 8-bit codes)
+  // int8 weights and activations: their codes go to the integer m16n8k32 MMA as they are. (An e4m3
+  // mma.sync is no shortcut on sm_90: ptxas expands it into f16 conversions of both operands.)
+  static constexpr bool kNative8 = WT == WeightType::kInt8 && AK == ActKind::kI8;
   static constexpr bool k4Bit = WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1;
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
@@ -492,6 +505,32 @@ struct Kern {
 #pragma unroll
           for (int j = 0; j < TOKT; ++j) gemm::mma_16816<kF16>(acc[i][j], a, b[j][2 * st], b[j][2 * st + 1]);
         }
+    } else if constexpr (kNative8) {
+      // 16 codes per lane and row: MMA step st takes words 2st and 2st + 1 of the weights and of the
+      // activations (the same k positions); no conversion at all.
+      uint32_t y[TOKT][4];
+#pragma unroll
+      for (int j = 0; j < TOKT; ++j) {
+        if (tok_ok[j])
+          lds128(y[j], arow0 + (g + 8 * j) * arb);
+        else
+          y[j][0] = y[j][1] = y[j][2] = y[j][3] = 0u;
+      }
+      int c[kNT][TOKT][4] = {};
+#pragma unroll
+      for (int st = 0; st < 2; ++st)
+#pragma unroll
+        for (int i = 0; i < kNT; ++i) {
+          const uint32_t a[4] = {w[i][0][2 * st], w[i][1][2 * st], w[i][0][2 * st + 1], w[i][1][2 * st + 1]};
+#pragma unroll
+          for (int j = 0; j < TOKT; ++j) mma_s8_16832(c[i][j], a, y[j][2 * st], y[j][2 * st + 1]);
+        }
+#pragma unroll
+      for (int i = 0; i < kNT; ++i)
+#pragma unroll
+        for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[i][j][r] += static_cast<float>(c[i][j][r]);  // exact: |sum| < 2^20
     } else if constexpr (!k4Bit) {
       // 16 8-bit codes per lane and row: word st is MMA step st (bytes 0,1 and 2,3 as pairs).
       uint32_t b[TOKT][8];

@@ -9,7 +9,8 @@ emulates those operations on the host (lop3, prmt, shifts, packed 16-bit sub/mul
 nearest even with subnormals kept, the e4m3x2 -> f16x2 conversion), assembles the m16n8k16
 fragments lane by lane as PTX defines them, and compares the warp's sums with
 sum_k a(k) * w'(k), w' = round_act(f32(code * scale) (* scale2)) (float32 codes * scales for 8-bit
-activations), for every weight type, dequantization mode and token-tile count. It also checks the
+activations; int8 x int8 through the integer m16n8k32 fragments), for every weight type,
+dequantization mode and token-tile count. It also checks the
 packed conversions exhaustively. Run it after changing the lane mapping or a conversion:
 
     python3 cuda_ffi/gemm_decode_sm90_model.py [seed]
@@ -183,6 +184,22 @@ def simulate(c, W, A, S, Z, s2, wq, aq, TOKT, nvalid):
                 frs[0][lane] = (A0, [(b[0], b[1]) for b in bj])
                 frs[1][lane] = (A1, [(b[2], b[3]) for b in bj])
             steps += frs
+    if c.wt == "i8" and c.ak == "i8":  # integer m16n8k32 on the codes as they are (kNative8)
+        def s8(x, b): v = (x >> (8 * b)) & 0xff; return v - 256 if v >= 128 else v
+        for st in range(2):
+            for i in range(NT):
+                for j in range(TOKT):
+                    Am = np.zeros((16, 32)); Bm = np.zeros((32, 8))
+                    for lane in range(32):
+                        g, t, w = lanes[lane]
+                        y = words_of(arow(g, t, j)) if g + 8*j < nvalid else [0]*4
+                        a = [w[i][0][2*st], w[i][1][2*st], w[i][0][2*st+1], w[i][1][2*st+1]]
+                        for r, (row, k0) in enumerate([(g, 4*t), (g+8, 4*t), (g, 16+4*t), (g+8, 16+4*t)]):
+                            for b in range(4): Am[row, k0 + b] = s8(a[r], b)
+                        for r, k0 in enumerate([4*t, 16+4*t]):
+                            for b in range(4): Bm[k0 + b, g] = s8(y[2*st + r], b)
+                    acc[i*16:(i+1)*16, j*8:(j+1)*8] += Am @ Bm
+        return acc
     f16 = c.f16
     for fr in steps:
         for i in range(NT):

@@ -141,6 +141,15 @@ __device__ __forceinline__ void lds64(uint32_t (&r)[2], const void* p) {
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
 
+// The same loads from a shared-memory address.
+__device__ __forceinline__ void lds128(uint32_t (&r)[4], uint32_t a) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void lds64(uint32_t (&r)[2], uint32_t a) {
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
 // (a & b) | c
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
@@ -258,9 +267,10 @@ __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. SF: the weight scales are float32 (every 8-bit weight scheme), known at compile time
-// so that the float32 and codes modes read and convert them without a switch on the type.
+// so that the float32 and codes modes read and convert them without a switch on the type. ZP: uint4
+// weights may have zero points (false: none, known at compile time, so no zero-point loads).
 // ---------------------------------------------------------------------------------------------
-template <WeightType WT, ActKind AK, Deq DQ, bool SF>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP = true>
 struct Kern {
   static constexpr bool kQ8 = AK == ActKind::kFp8 || AK == ActKind::kI8;
   static constexpr bool kF16 = AK != ActKind::kBF16;  // MMA operand type: f16 (also for 8-bit codes)
@@ -368,7 +378,7 @@ struct Kern {
 #pragma unroll
           for (int q = 0; q < kNs; ++q) s.w[i][h][q] = 0u;
     }
-    if constexpr (WT != WeightType::kUInt4) s.z = 0x08080808u;
+    if constexpr (WT != WeightType::kUInt4 || !ZP) s.z = 0x08080808u;
     if constexpr (!kQ8) {
 #pragma unroll
       for (int j = 0; j < TOKT; ++j) s.a[j][0] = s.a[j][1] = 0.0f;
@@ -383,7 +393,7 @@ struct Kern {
         s.w[i][h][0] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk0);
         if constexpr (kNs == 2) s.w[i][h][1] = load_scale_raw<kSB>(w.scale_type, w.scale, base + sk1);
       });
-      if constexpr (WT == WeightType::kUInt4) {
+      if constexpr (WT == WeightType::kUInt4 && ZP) {
         s.z = 0x08080808u;
         if (w.zero) {
           uint32_t z = 0;
@@ -482,20 +492,18 @@ struct Kern {
   static __device__ __forceinline__ void chunk_mma(const DecodeLaunch& D, float (&acc)[kNT][TOKT][4],
                                                    const uint32_t (&w)[kNT][2][4], const uint8_t* arow0,
                                                    int g, int nvalid, const Scales<TOKT>& s, float s2) {
-    const int arb = D.act_row_bytes;
-    bool tok_ok[TOKT];
+    // Token columns past nvalid read the last valid row instead of zeros: their sums are never
+    // stored, and the loads need no predicate or zero fill.
+    uint32_t arow[TOKT];  // shared-memory addresses
 #pragma unroll
-    for (int j = 0; j < TOKT; ++j) tok_ok[j] = g + 8 * j < nvalid;
+    for (int j = 0; j < TOKT; ++j) arow[j] = smem_addr(arow0) + min(g + 8 * j, nvalid - 1) * D.act_row_bytes;
 
     if constexpr (WT == WeightType::kFloat) {
       // 8 bf16/f16 per lane and row: two MMA steps of natural pairs.
       uint32_t b[TOKT][4];
 #pragma unroll
       for (int j = 0; j < TOKT; ++j) {
-        if (tok_ok[j])
-          lds128(b[j], arow0 + (g + 8 * j) * arb);
-        else
-          b[j][0] = b[j][1] = b[j][2] = b[j][3] = 0u;
+        lds128(b[j], arow[j]);
       }
 #pragma unroll
       for (int st = 0; st < 2; ++st)
@@ -511,10 +519,7 @@ struct Kern {
       uint32_t y[TOKT][4];
 #pragma unroll
       for (int j = 0; j < TOKT; ++j) {
-        if (tok_ok[j])
-          lds128(y[j], arow0 + (g + 8 * j) * arb);
-        else
-          y[j][0] = y[j][1] = y[j][2] = y[j][3] = 0u;
+        lds128(y[j], arow[j]);
       }
       int c[kNT][TOKT][4] = {};
 #pragma unroll
@@ -536,13 +541,10 @@ struct Kern {
       uint32_t b[TOKT][8];
 #pragma unroll
       for (int j = 0; j < TOKT; ++j) {
-        const uint8_t* p = arow0 + (g + 8 * j) * arb;
+        const uint32_t p = arow[j];
         if constexpr (kQ8) {
           uint32_t y[4];
-          if (tok_ok[j])
-            lds128(y, p);
-          else
-            y[0] = y[1] = y[2] = y[3] = 0u;
+          lds128(y, p);
 #pragma unroll
           for (int st = 0; st < 4; ++st) {
             b[j][2 * st] = act_code_pair<0>(y[st]);
@@ -550,13 +552,8 @@ struct Kern {
           }
         } else {
           uint32_t y0[4], y1[4];
-          if (tok_ok[j]) {
-            lds128(y0, p);
-            lds128(y1, p + 16);
-          } else {
-            y0[0] = y0[1] = y0[2] = y0[3] = 0u;
-            y1[0] = y1[1] = y1[2] = y1[3] = 0u;
-          }
+          lds128(y0, p);
+          lds128(y1, p + 16);
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             b[j][q] = y0[q];
@@ -589,13 +586,10 @@ struct Kern {
         uint32_t b[TOKT][4];  // (k0,k4) (k1,k5) (k2,k6) (k3,k7) of the word's 8 positions
 #pragma unroll
         for (int j = 0; j < TOKT; ++j) {
-          const uint8_t* p = arow0 + (g + 8 * j) * arb;
+          const uint32_t p = arow[j];
           if constexpr (kQ8) {
             uint32_t y[2];
-            if (tok_ok[j])
-              lds64(y, p + wd * 8);
-            else
-              y[0] = y[1] = 0u;
+            lds64(y, p + wd * 8);
             const uint32_t q0 = __byte_perm(y[0], y[1], 0x5140), q1 = __byte_perm(y[0], y[1], 0x7362);
             b[j][0] = act_code_pair<0>(q0);
             b[j][1] = act_code_pair<1>(q0);
@@ -603,10 +597,7 @@ struct Kern {
             b[j][3] = act_code_pair<1>(q1);
           } else {
             uint32_t x[4];
-            if (tok_ok[j])
-              lds128(x, p + wd * 16);
-            else
-              x[0] = x[1] = x[2] = x[3] = 0u;
+            lds128(x, p + wd * 16);
             b[j][0] = __byte_perm(x[0], x[2], 0x5410);
             b[j][1] = __byte_perm(x[0], x[2], 0x7632);
             b[j][2] = __byte_perm(x[1], x[3], 0x5410);
@@ -623,7 +614,7 @@ struct Kern {
             uint32_t f2 = 0;
             bool two = false;
             if constexpr (DQ == Deq::kPackedFp4) fp4_factors(sr, sr, f2, two);
-            const uint32_t z = WT == WeightType::kUInt4 ? (s.z >> (8 * (i * 2 + h))) & 0xffu : 0u;
+            const uint32_t z = WT == WeightType::kUInt4 && ZP ? (s.z >> (8 * (i * 2 + h))) & 0xffu : 8u;
             pr[h][0] = deq_pair<0>(D, w[i][h][wd], sr, z, s2);
             pr[h][1] = deq_pair<1>(D, w[i][h][wd], sr, z, s2);
             pr[h][2] = deq_pair<2>(D, w[i][h][wd], sr, z, s2);
@@ -795,10 +786,10 @@ __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int
   }
 }
 
-template <WeightType WT, ActKind AK, Deq DQ, bool SF>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  using K_ = Kern<WT, AK, DQ, SF>;
+  using K_ = Kern<WT, AK, DQ, SF, ZP>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
   __shared__ int64_t s_abyte[kMaxRows];  // byte offset of each row of a
@@ -984,9 +975,9 @@ template <>
 bool launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 
 // Raises the kernel's dynamic shared-memory limit once per device (a launch above 48 KB needs it).
-template <WeightType WT, ActKind AK, Deq DQ, bool SF = false>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true>
 bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ, SF>;
+  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP>;
   static unsigned configured = 0;  // bit d: device d configured (a benign race: the calls are idempotent)
   int dev = 0;
   cudaGetDevice(&dev);

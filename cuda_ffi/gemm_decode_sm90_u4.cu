@@ -9,7 +9,14 @@ namespace decode {
 template <>
 bool launch_family<WeightType::kUInt4>(const DecodeLaunch& D, ActKind ak, Deq dq, bool f32_scales, dim3 grid,
                                        size_t smem, cudaStream_t stream) {
-  if (ak == ActKind::kBF16 && dq == Deq::kPackedU4)
+  // The common packed case without zero points (GPTQ symmetric) has its own variants: no zero-point
+  // loads or unpacking in the main loop.
+  const bool zero = D.g.p.w.zero != nullptr;
+  if (ak == ActKind::kBF16 && dq == Deq::kPackedU4 && !zero)
+    return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4, false, false>(D, grid, smem, stream);
+  else if (ak == ActKind::kF16 && dq == Deq::kPackedU4 && !zero)
+    return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4, false, false>(D, grid, smem, stream);
+  else if (ak == ActKind::kBF16 && dq == Deq::kPackedU4)
     return launch_variant<WeightType::kUInt4, ActKind::kBF16, Deq::kPackedU4>(D, grid, smem, stream);
   else if (ak == ActKind::kF16 && dq == Deq::kPackedU4)
     return launch_variant<WeightType::kUInt4, ActKind::kF16, Deq::kPackedU4>(D, grid, smem, stream);

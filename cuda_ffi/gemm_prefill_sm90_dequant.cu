@@ -67,6 +67,8 @@ template <WeightType WT, bool kBf16>
 __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(WeightView w, int64_t e0, uint32_t rows,
                                                                  int gk_shift, uint4* __restrict__ out) {
   constexpr bool kFour = WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1;
+  constexpr int kPerWord = kFour ? 8 : 4;  // codes per 32-bit word
+  constexpr int kWords = 8 / kPerWord;    // words of one 8-value run
   const uint32_t runs = static_cast<uint32_t>(w.K / 8), N = static_cast<uint32_t>(w.N);
   const uint32_t gn = static_cast<uint32_t>(w.group_n), gk = static_cast<uint32_t>(w.group_k);
   const int64_t srows = w.scale_rows(), scols = w.scale_cols();
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(WeightView w, in
     const float s2 = scale2 ? scale2[e] : 1.0f;
     uint4* dst = out + static_cast<size_t>(rl) * runs;
     for (uint32_t r0 = lane; r0 < runs; r0 += 32 * kUnroll) {
-      uint32_t word[kUnroll][2];
+      uint32_t word[kUnroll][kWords];
       float scale[kUnroll], zf[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {  // every load of the kUnroll runs first
@@ -91,7 +93,6 @@ __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(WeightView w, in
         const uint32_t rc = r < runs ? r : runs - 1;  // clamped, not predicated: in bounds
         if constexpr (kFour) {
           word[u][0] = __ldg(reinterpret_cast<const uint32_t*>(codes) + rc);
-          word[u][1] = 0;
         } else {
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(codes) + rc);
           word[u][0] = v.x;
@@ -109,10 +110,10 @@ __global__ void __launch_bounds__(kThreads) dequant_rows_kernel(WeightView w, in
         uint32_t packed[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int v = 2 * j;
-          const uint32_t wlo = kFour ? word[u][0] : word[u][v / 4], whi = kFour ? word[u][0] : word[u][(v + 1) / 4];
-          float lo = code_at<WT>(wlo, kFour ? v : v % 4, zf[u]) * scale[u];
-          float hi = code_at<WT>(whi, kFour ? v + 1 : (v + 1) % 4, zf[u]) * scale[u];
+          const int v = 2 * j;  // values v and v + 1 of the run: one word holds both
+          const uint32_t wd = word[u][v / kPerWord];
+          float lo = code_at<WT>(wd, v % kPerWord, zf[u]) * scale[u];
+          float hi = code_at<WT>(wd, (v + 1) % kPerWord, zf[u]) * scale[u];
           if (scale2) {  // weight_value's order: code * scale, then * scale2
             lo *= s2;
             hi *= s2;

@@ -43,6 +43,22 @@ namespace detail {
 
 using namespace cute;
 
+// Workspace arrays laid out one after another, each 128-byte aligned. With a null base the carver
+// only measures, so a layout written once gives both the pointers and the bytes it needs.
+constexpr size_t kArrayAlign = 128;
+inline size_t align_array(size_t bytes) { return (bytes + kArrayAlign - 1) / kArrayAlign * kArrayAlign; }
+
+struct Carver {
+  char* base;       // null: measure only
+  size_t used = 0;  // bytes laid out so far
+  template <class T>
+  T* take(size_t count) {
+    T* q = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += align_array(count * sizeof(T));
+    return q;
+  }
+};
+
 // One configuration: element types, whether fp8 block scales apply, tile and cluster shapes, and
 // the consumer schedule: cooperative (two warpgroups split one 128-row tile) or pingpong (each
 // warpgroup owns a whole 64-row tile and the two alternate mainloop and epilogue).
@@ -150,9 +166,6 @@ struct Grouped {
   static_assert(std::is_same_v<StrideB, Stride<int64_t, _1, _0>>, "B must be K-major");
   static_assert(std::is_same_v<StrideD, Stride<int64_t, _1, _0>>, "D must be row-major");
 
-  static constexpr size_t kAlignBytes = 128;
-  static size_t round_up(size_t x) { return (x + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
-
   // Per-expert arrays the kernel reads, carved from the workspace after CUTLASS's own part
   // (per-SM TMA descriptors), each 128-byte aligned.
   struct Arrays {
@@ -195,42 +208,39 @@ struct Grouped {
 
   static size_t cutlass_workspace(int64_t E, int sm_count) {
     Arrays none{};
-    return round_up(Kernel::get_workspace_size(arguments(E, sm_count, 0, none, false)));
+    return align_array(Kernel::get_workspace_size(arguments(E, sm_count, 0, none, false)));
+  }
+
+  // The arrays' one layout: from the carver's base (null: measure only).
+  static Arrays lay_out(Carver& c, int64_t E) {
+    const size_t e = static_cast<size_t>(E);
+    Arrays a{};
+    a.shapes = c.take<Shape3>(e);
+    a.ptr_a = c.take<const ElementAB*>(e);
+    a.ptr_b = c.take<const ElementAB*>(e);
+    a.ptr_d = c.take<ElementD*>(e);
+    a.stride_a = c.take<StrideA>(e);
+    a.stride_b = c.take<StrideB>(e);
+    a.stride_d = c.take<StrideD>(e);
+    a.ptr_bias = c.take<const float*>(e);
+    if (Cfg::kBlockScaled) {
+      a.ptr_sfa = c.take<const float*>(e);
+      a.ptr_sfb = c.take<const float*>(e);
+    }
+    return a;
   }
 
   static size_t arrays_bytes(int64_t E) {
-    const size_t e = static_cast<size_t>(E);
-    size_t n = round_up(e * sizeof(Shape3)) + 2 * round_up(e * sizeof(void*)) + round_up(e * sizeof(void*)) +
-               round_up(e * sizeof(StrideA)) + round_up(e * sizeof(StrideB)) + round_up(e * sizeof(StrideD)) +
-               round_up(e * sizeof(void*));
-    if (Cfg::kBlockScaled) n += 2 * round_up(e * sizeof(void*));
-    return n;
+    Carver c{nullptr};
+    lay_out(c, E);
+    return c.used;
   }
 
   static size_t workspace_bytes(int64_t E, int sm_count) { return cutlass_workspace(E, sm_count) + arrays_bytes(E); }
 
   static Arrays carve(void* workspace, int64_t E, int sm_count) {
-    char* p = static_cast<char*>(workspace) + cutlass_workspace(E, sm_count);
-    const size_t e = static_cast<size_t>(E);
-    Arrays a{};
-    auto take = [&](size_t bytes) {
-      char* q = p;
-      p += round_up(bytes);
-      return q;
-    };
-    a.shapes = reinterpret_cast<Shape3*>(take(e * sizeof(Shape3)));
-    a.ptr_a = reinterpret_cast<const ElementAB**>(take(e * sizeof(void*)));
-    a.ptr_b = reinterpret_cast<const ElementAB**>(take(e * sizeof(void*)));
-    a.ptr_d = reinterpret_cast<ElementD**>(take(e * sizeof(void*)));
-    a.stride_a = reinterpret_cast<StrideA*>(take(e * sizeof(StrideA)));
-    a.stride_b = reinterpret_cast<StrideB*>(take(e * sizeof(StrideB)));
-    a.stride_d = reinterpret_cast<StrideD*>(take(e * sizeof(StrideD)));
-    a.ptr_bias = reinterpret_cast<const float**>(take(e * sizeof(void*)));
-    if (Cfg::kBlockScaled) {
-      a.ptr_sfa = reinterpret_cast<const float**>(take(e * sizeof(void*)));
-      a.ptr_sfb = reinterpret_cast<const float**>(take(e * sizeof(void*)));
-    }
-    return a;
+    Carver c{static_cast<char*>(workspace) + cutlass_workspace(E, sm_count)};
+    return lay_out(c, E);
   }
 };
 

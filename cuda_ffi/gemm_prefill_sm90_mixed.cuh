@@ -158,9 +158,6 @@ struct MixedGrouped {
   static_assert(std::is_same_v<StrideD, Stride<_1, int64_t, _0>>, "D must be N-major (c row-major)");
   static_assert(std::is_same_v<StrideScale, Stride<_1, int64_t, int64_t>>, "scales must be N-major");
 
-  static constexpr size_t kAlignBytes = 128;
-  static size_t round_up(size_t x) { return (x + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
-
   // Per-expert arrays the kernel reads, carved from the workspace after CUTLASS's own part, each
   // 128-byte aligned; then the transposed scales [E, scale_cols, N].
   struct Arrays {
@@ -205,13 +202,30 @@ struct MixedGrouped {
 
   static size_t cutlass_workspace(int64_t E, int sm_count) {
     Arrays none{};
-    return round_up(Kernel::get_workspace_size(arguments(E, sm_count, 0, none, kTileK, false)));
+    return align_array(Kernel::get_workspace_size(arguments(E, sm_count, 0, none, kTileK, false)));
+  }
+
+  // The per-expert arrays' one layout: from the carver's base (null: measure only).
+  static Arrays lay_out(Carver& c, int64_t E) {
+    const size_t e = static_cast<size_t>(E);
+    Arrays a{};
+    a.shapes = c.take<Shape3>(e);
+    a.ptr_w = c.take<const ElementW*>(e);
+    a.ptr_act = c.take<const ElementAct*>(e);
+    a.ptr_d = c.take<ElementD*>(e);
+    a.ptr_scale = c.take<const ElementScale*>(e);
+    a.ptr_bias = c.take<const float*>(e);
+    a.stride_w = c.take<StrideW>(e);
+    a.stride_act = c.take<StrideAct>(e);
+    a.stride_d = c.take<StrideD>(e);
+    a.stride_scale = c.take<StrideScale>(e);
+    return a;
   }
 
   static size_t arrays_bytes(int64_t E) {
-    const size_t e = static_cast<size_t>(E);
-    return round_up(e * sizeof(Shape3)) + 5 * round_up(e * sizeof(void*)) + round_up(e * sizeof(StrideW)) +
-           round_up(e * sizeof(StrideAct)) + round_up(e * sizeof(StrideD)) + round_up(e * sizeof(StrideScale));
+    Carver c{nullptr};
+    lay_out(c, E);
+    return c.used;
   }
 
   // The kernel's part of the workspace (within kWorkspaceBase + kWorkspacePerExpert * E); the
@@ -219,25 +233,9 @@ struct MixedGrouped {
   static size_t workspace_bytes(int64_t E, int sm_count) { return cutlass_workspace(E, sm_count) + arrays_bytes(E); }
 
   static Arrays carve(void* workspace, int64_t E, int sm_count) {
-    char* p = static_cast<char*>(workspace) + cutlass_workspace(E, sm_count);
-    const size_t e = static_cast<size_t>(E);
-    Arrays a{};
-    auto take = [&](size_t bytes) {
-      char* q = p;
-      p += round_up(bytes);
-      return q;
-    };
-    a.shapes = reinterpret_cast<Shape3*>(take(e * sizeof(Shape3)));
-    a.ptr_w = reinterpret_cast<const ElementW**>(take(e * sizeof(void*)));
-    a.ptr_act = reinterpret_cast<const ElementAct**>(take(e * sizeof(void*)));
-    a.ptr_d = reinterpret_cast<ElementD**>(take(e * sizeof(void*)));
-    a.ptr_scale = reinterpret_cast<const ElementScale**>(take(e * sizeof(void*)));
-    a.ptr_bias = reinterpret_cast<const float**>(take(e * sizeof(void*)));
-    a.stride_w = reinterpret_cast<StrideW*>(take(e * sizeof(StrideW)));
-    a.stride_act = reinterpret_cast<StrideAct*>(take(e * sizeof(StrideAct)));
-    a.stride_d = reinterpret_cast<StrideD*>(take(e * sizeof(StrideD)));
-    a.stride_scale = reinterpret_cast<StrideScale*>(take(e * sizeof(StrideScale)));
-    a.scales = reinterpret_cast<uint16_t*>(p);
+    Carver c{static_cast<char*>(workspace) + cutlass_workspace(E, sm_count)};
+    Arrays a = lay_out(c, E);
+    a.scales = reinterpret_cast<uint16_t*>(c.base + c.used);
     return a;
   }
 };

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
-TARGET_SAMPLE_S = 0.002
-MAX_CALLS_PER_SAMPLE = 64
+TARGET_SAMPLE_S = 0.01
+MAX_CALLS_PER_SAMPLE = 256
 SLOW_CALL_S = 0.1
 SILU_MUL = "a / (1.0f + expf(-a)) * b"  # humming's binary_split: a = gate half, b = up half
 

@@ -482,6 +482,25 @@ struct Kern {
       return fp8_code_pair<P>(w);
   }
 
+  // Two MMA steps over a lane's four words per row, for operands that need no conversion (16-bit
+  // weights, int8 x int8 codes): step st takes words 2st and 2st + 1 of every weight row and of
+  // each token's activations (the same k positions). mma(i, j, a, b0, b1) issues one MMA.
+  template <int TOKT, typename F>
+  static __device__ __forceinline__ void two_word_steps(const uint32_t (&w)[kNT][2][4], const uint32_t (&arow)[TOKT],
+                                                        F&& mma) {
+    uint32_t b[TOKT][4];
+#pragma unroll
+    for (int j = 0; j < TOKT; ++j) lds128(b[j], arow[j]);
+#pragma unroll
+    for (int st = 0; st < 2; ++st)
+#pragma unroll
+      for (int i = 0; i < kNT; ++i) {
+        const uint32_t a[4] = {w[i][0][2 * st], w[i][1][2 * st], w[i][0][2 * st + 1], w[i][1][2 * st + 1]};
+#pragma unroll
+        for (int j = 0; j < TOKT; ++j) mma(i, j, a, b[j][2 * st], b[j][2 * st + 1]);
+      }
+  }
+
   // ------------------------------------------------------------------------------------------
   // MMAs of one chunk column: the lane's weight words w[i][h][0..3] (tile i, row g + 8h) against
   // the activations of token columns g (+ 8) at the same k positions.
@@ -500,36 +519,16 @@ struct Kern {
 
     if constexpr (WT == WeightType::kFloat) {
       // 8 bf16/f16 per lane and row: two MMA steps of natural pairs.
-      uint32_t b[TOKT][4];
-#pragma unroll
-      for (int j = 0; j < TOKT; ++j) {
-        lds128(b[j], arow[j]);
-      }
-#pragma unroll
-      for (int st = 0; st < 2; ++st)
-#pragma unroll
-        for (int i = 0; i < kNT; ++i) {
-          const uint32_t a[4] = {w[i][0][2 * st], w[i][1][2 * st], w[i][0][2 * st + 1], w[i][1][2 * st + 1]};
-#pragma unroll
-          for (int j = 0; j < TOKT; ++j) gemm::mma_16816<kF16>(acc[i][j], a, b[j][2 * st], b[j][2 * st + 1]);
-        }
+      two_word_steps<TOKT>(w, arow, [&](int i, int j, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        gemm::mma_16816<kF16>(acc[i][j], a, b0, b1);
+      });
     } else if constexpr (kNative8) {
       // 16 codes per lane and row: MMA step st takes words 2st and 2st + 1 of the weights and of the
       // activations (the same k positions); no conversion at all.
-      uint32_t y[TOKT][4];
-#pragma unroll
-      for (int j = 0; j < TOKT; ++j) {
-        lds128(y[j], arow[j]);
-      }
       int c[kNT][TOKT][4] = {};
-#pragma unroll
-      for (int st = 0; st < 2; ++st)
-#pragma unroll
-        for (int i = 0; i < kNT; ++i) {
-          const uint32_t a[4] = {w[i][0][2 * st], w[i][1][2 * st], w[i][0][2 * st + 1], w[i][1][2 * st + 1]};
-#pragma unroll
-          for (int j = 0; j < TOKT; ++j) mma_s8_16832(c[i][j], a, y[j][2 * st], y[j][2 * st + 1]);
-        }
+      two_word_steps<TOKT>(w, arow, [&](int i, int j, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        mma_s8_16832(c[i][j], a, b0, b1);
+      });
 #pragma unroll
       for (int i = 0; i < kNT; ++i)
 #pragma unroll

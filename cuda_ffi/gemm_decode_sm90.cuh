@@ -534,7 +534,7 @@ struct Kern {
 #pragma unroll
         for (int j = 0; j < TOKT; ++j)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] += static_cast<float>(c[i][j][r]);  // exact: |sum| < 2^20
+          for (int r = 0; r < 4; ++r) acc[i][j][r] += static_cast<float>(c[i][j][r]);  // exact: |sum| <= 64 * 128 * 128 = 2^20
     } else if constexpr (!k4Bit) {
       // 16 8-bit codes per lane and row: word st is MMA step st (bytes 0,1 and 2,3 as pairs).
       uint32_t b[TOKT][8];

@@ -1,15 +1,21 @@
-"""Random weights in kernel layout with arbitrary types and group sizes, for kernel tests and the
-sanitizer driver (``quantize_moe_weights`` only builds the named schemes)."""
+"""Test helpers shared by the kernel tests and the sanitizer driver: random weights in kernel layout
+with arbitrary types and group sizes (``quantize_moe_weights`` only builds the named schemes), and
+every GEMM form of one random problem as one function."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from ._abi import WeightType
+from .experts import indexed_block_m
+from .ops import activation as act_ops
+from .ops import gemm as gemm_ops
+from .ops import routing as routing_ops
 from .weights import PackedWeight
 
 
@@ -46,3 +52,54 @@ def random_packed_weight(
     z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
     s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
     return PackedWeight(data, scale, z, s2, wtype, k, 1, group_k)
+
+
+def gemm_forms(
+    rng: np.random.Generator,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    dtype: Any,
+    quant: tuple[str, int] | None,
+    ids: jax.Array,
+    emap: jax.Array,
+    t: int = 5,
+) -> tuple[Callable[..., dict], tuple]:
+    """Every GEMM call of one random problem, routed by ``ids`` [M, k] through ``emap``, as one
+    function of its operands: gemm_indexed as GEMM1 (rows gathered by id // k) and as GEMM2
+    (gather_div 1), gemm_grouped (rows permuted by expert), gemm_batched over [E, t, K] with random
+    counts, and gemm_batched into a NaN-filled ``out``. Activations are quantized first when
+    ``quant`` = (kind, group_k) is given. Returns (fn, operands); fn(*operands) gives a dict: c1, c2,
+    cg, cb, cbi, and src (the indexed routing's source rows) and off (the grouped offsets). The
+    operands are (x, a2, xb, ids, emap, counts, w, bias, out)."""
+    e, kdim = w.num_experts, w.k
+    n = int(w.data.shape[1])
+    m, k = ids.shape
+    x = jnp.asarray(rng.standard_normal((m, kdim)), dtype)
+    a2 = jnp.asarray(rng.standard_normal((m * k, kdim)), dtype)
+    xb = jnp.asarray(rng.standard_normal((e, t, kdim)), dtype)
+    counts = jnp.asarray(rng.integers(-1, t + 2, e).astype(np.int32))
+    out = jnp.full((e, t, n), jnp.nan, dtype)
+    agk = quant[1] if quant else 0
+    bm = indexed_block_m(m * k, e)
+
+    def act(v):
+        return act_ops.quantize(v, quant[0], quant[1]) if quant else (v, None)
+
+    def fn(x, a2, xb, ids, emap, counts, w, bias, out):
+        r = routing_ops.routing_indexed(ids, emap, e, bm)
+        a, s = act(x)
+        c1 = gemm_ops.gemm_indexed(a, s, w, bias, r, rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype,
+                                   act_group_k=agk)
+        a2q, s2q = act(a2)
+        c2 = gemm_ops.gemm_indexed(a2q, s2q, w, bias, r, rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype,
+                                   act_group_k=agk)
+        rg = routing_ops.routing_grouped(ids, emap, e)
+        ag, sg = act(routing_ops.permute_rows(x, rg, k))
+        cg = gemm_ops.gemm_grouped(ag, sg, w, bias, rg.expert_first_token_offset, out_dtype=dtype, act_group_k=agk)
+        ab, sb = act(xb.reshape(e * t, kdim))
+        ab = ab.reshape(e, t, kdim)
+        cb = gemm_ops.gemm_batched(ab, sb, w, bias, counts, out_dtype=dtype, act_group_k=agk)
+        cbi = gemm_ops.gemm_batched(ab, sb, w, bias, counts, out_dtype=dtype, act_group_k=agk, out=out)
+        return dict(c1=c1, c2=c2, cg=cg, cb=cb, cbi=cbi, src=r.src_rows, off=rg.expert_first_token_offset)
+
+    return fn, (x, a2, xb, ids, emap, counts, w, bias, out)

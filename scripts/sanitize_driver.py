@@ -25,13 +25,13 @@ import numpy as np  # noqa: E402
 import humming_jax as hj  # noqa: E402
 from humming_jax._abi import WeightType  # noqa: E402
 from humming_jax.activations import ACTIVATIONS  # noqa: E402
-from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts, indexed_block_m  # noqa: E402
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts  # noqa: E402
 from humming_jax.ops import activation as act_ops  # noqa: E402
 from humming_jax.ops import finalize as fin_ops  # noqa: E402
 from humming_jax.ops import gemm as gemm_ops  # noqa: E402
 from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
-from humming_jax.testing import random_packed_weight  # noqa: E402
+from humming_jax.testing import gemm_forms, random_packed_weight  # noqa: E402
 from humming_jax.weights import PackedWeight  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -53,39 +53,11 @@ def routing_inputs(m, k, e_global, e_local, pad):
 
 
 def gemm_all_forms(w, bias, dtype, quant, m=13, topk=2, t=5):
-    e, n, k = w.shape
-    agk = quant[1] if quant else 0
-
-    def act(x):
-        return act_ops.quantize(x, *quant) if quant else (x, None)
-
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    """Every GEMM form of one random problem (humming_jax.testing.gemm_forms), in one jitted call."""
+    e = w.num_experts
     ids, emap = routing_inputs(m, topk, e + 1, e, 0.2)
-    bm = indexed_block_m(m * topk, e)
-
-    def indexed(x, ids, emap, w, bias):
-        r = routing_ops.routing_indexed(ids, emap, e, bm)
-        a, s = act(x)
-        return gemm_ops.gemm_indexed(a, s, w, bias, r, rows=m * topk, gather_div=topk, block_m=bm, out_dtype=dtype,
-                                     act_group_k=agk)
-
-    def grouped(x, ids, emap, w, bias):
-        r = routing_ops.routing_grouped(ids, emap, e)
-        a, s = act(routing_ops.permute_rows(x, r, topk))
-        return gemm_ops.gemm_grouped(a, s, w, bias, r.expert_first_token_offset, out_dtype=dtype, act_group_k=agk)
-
-    xb = jnp.asarray(rng.standard_normal((e, t, k)), dtype)
-    counts = jnp.asarray(rng.integers(-1, t + 2, e).astype(np.int32))
-
-    def batched(xb, counts, w, bias, out):
-        a, s = act(xb.reshape(e * t, k))
-        a = a.reshape(e, t, k)
-        c = gemm_ops.gemm_batched(a, s, w, bias, counts, out_dtype=dtype, act_group_k=agk)
-        return c, gemm_ops.gemm_batched(a, s, w, bias, counts, out_dtype=dtype, act_group_k=agk, out=out)
-
-    run(indexed, x, ids, emap, w, bias)
-    run(grouped, x, ids, emap, w, bias)
-    run(batched, xb, counts, w, bias, jnp.zeros((e, t, n), dtype))
+    fn, operands = gemm_forms(rng, w, bias, dtype, quant, ids, emap, t)
+    run(fn, *operands)
 
 
 def custom_weight(wtype, e, n, k, gk, **kw):

@@ -22,14 +22,14 @@ from graph_replay import replay_both_ways
 import humming_jax as hj
 from humming_jax._abi import WeightType
 from humming_jax.activations import ACTIVATIONS
-from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts, indexed_block_m
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts
 from humming_jax.ops import activation as act_ops
 from humming_jax.ops import finalize as fin_ops
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
-from humming_jax.testing import random_packed_weight
+from humming_jax.testing import gemm_forms, random_packed_weight
 from humming_jax.weights import PackedWeight
 
 _STAND_IN = os.environ.get("HUMMING_JAX_TEST_CUDA_AS_CPU") == "1"
@@ -134,51 +134,16 @@ GEMM_SCHEMES = sorted(SCHEMES)
 
 
 def _gemm_forms(rng, w, bias, dtype, quant, m=23, topk=3):
-    """Runs the three GEMM forms on CPU and GPU; returns [(name, cpu, gpu, rows_to_compare)]."""
-    e, n, k = w.shape
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    """Runs every GEMM form (humming_jax.testing.gemm_forms) on CPU and GPU over random routing
+    with padding and far out-of-range ids; returns [(name, cpu, gpu)] of the rows to compare."""
+    e = w.num_experts
     ids, emap = _routing_inputs(rng, m, topk, e + 2, e, 0.15)
-    agk = quant[1] if quant else 0
-
-    def act(x):
-        return act_ops.quantize(x, quant[0], quant[1]) if quant else (x, None)
-
-    def indexed(x, ids, emap, w, bias):
-        bm = indexed_block_m(m * topk, e)
-        r = routing_ops.routing_indexed(ids, emap, e, bm)
-        a, s = act(x)
-        c = gemm_ops.gemm_indexed(a, s, w, bias, r, rows=m * topk, gather_div=topk, block_m=bm, out_dtype=dtype,
-                                  act_group_k=agk)
-        return c, r.src_rows
-
-    def grouped(x, ids, emap, w, bias):
-        r = routing_ops.routing_grouped(ids, emap, e)
-        a, s = act(routing_ops.permute_rows(x, r, topk))
-        return gemm_ops.gemm_grouped(a, s, w, bias, r.expert_first_token_offset, out_dtype=dtype, act_group_k=agk)
-
-    t = 9
-    xb = jnp.asarray(rng.standard_normal((e, t, k)), dtype)
-    counts = jnp.asarray(rng.integers(-1, t + 2, e).astype(np.int32))
-
-    def batched(xb, counts, w, bias, out):
-        a, s = act(xb.reshape(e * t, k))
-        a = a.reshape(e, t, k)
-        plain = gemm_ops.gemm_batched(a, s, w, bias, counts, out_dtype=dtype, act_group_k=agk)
-        into = gemm_ops.gemm_batched(a, s, w, bias, counts, out_dtype=dtype, act_group_k=agk, out=out)
-        return plain, into
-
-    res = []
-    (ci, csrc), (gi, gsrc) = both(indexed, x, ids, emap, w, bias)
-    np.testing.assert_array_equal(gsrc, csrc)
-    valid = csrc.reshape(-1) >= 0  # rows of c written by the indexed GEMM
-    res.append(("indexed", ci[valid], gi[valid]))
-    cg, gg = both(grouped, x, ids, emap, w, bias)
-    res.append(("grouped", cg, gg))
-    out = jnp.full((e, t, n), jnp.nan, dtype)
-    (cb, cbi), (gb, gbi) = both(batched, xb, counts, w, bias, out)
-    res.append(("batched", cb, gb))
-    res.append(("batched_into", cbi, gbi))
-    return res
+    fn, operands = gemm_forms(rng, w, bias, dtype, quant, ids, emap, t=9)
+    c, g = both(fn, *operands)
+    np.testing.assert_array_equal(g["src"], c["src"])
+    valid = c["src"].reshape(-1) >= 0  # rows of c written by the indexed GEMMs
+    return [("indexed", c["c1"][valid], g["c1"][valid]), ("indexed gather_div=1", c["c2"][valid], g["c2"][valid]),
+            ("grouped", c["cg"], g["cg"]), ("batched", c["cb"], g["cb"]), ("batched_into", c["cbi"], g["cbi"])]
 
 
 @pytest.mark.parametrize("scheme", GEMM_SCHEMES)

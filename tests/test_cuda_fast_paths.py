@@ -20,13 +20,13 @@ from graph_replay import replay_both_ways
 import humming_jax as hj
 from humming_jax import _ffi
 from humming_jax._abi import WeightType
-from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts, indexed_block_m
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts
 from humming_jax.ops import activation as act_ops
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
-from humming_jax.testing import random_packed_weight
+from humming_jax.testing import gemm_forms, random_packed_weight
 
 CPU = jax.devices("cpu")[0]
 GPU = jax.devices("cuda")[0] if hj.cuda_available() else None
@@ -494,41 +494,10 @@ def _decode_routing(rng, m, k, e):
 
 
 def _decode_forms(rng, w, bias, dtype, quant, m, k, t=5):
-    """All decode-sized GEMM calls on one random problem, as one function of its operands:
-    gemm_indexed as GEMM1 (rows gathered by id // k) and as GEMM2 (gather_div 1), gemm_grouped,
-    gemm_batched and gemm_batched_into (into a NaN-filled out). Returns (fn, operands)."""
-    e, kdim = w.num_experts, w.k
-    n = int(w.data.shape[1])
-    ids, emap = _decode_routing(rng, m, k, e)
-    x = jnp.asarray(rng.standard_normal((m, kdim)), dtype)
-    a2 = jnp.asarray(rng.standard_normal((m * k, kdim)), dtype)
-    xb = jnp.asarray(rng.standard_normal((e, t, kdim)), dtype)
-    counts = jnp.asarray(rng.integers(-1, t + 2, e).astype(np.int32))
-    out = jnp.full((e, t, n), jnp.nan, dtype)
-    agk = quant[1] if quant else 0
-    bm = indexed_block_m(m * k, e)
-
-    def act(v):
-        return act_ops.quantize(v, quant[0], quant[1]) if quant else (v, None)
-
-    def fn(x, a2, xb, ids, emap, counts, w, bias, out):
-        r = routing_ops.routing_indexed(ids, emap, e, bm)
-        a, s = act(x)
-        c1 = gemm_ops.gemm_indexed(a, s, w, bias, r, rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype,
-                                   act_group_k=agk)
-        a2q, s2q = act(a2)
-        c2 = gemm_ops.gemm_indexed(a2q, s2q, w, bias, r, rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype,
-                                   act_group_k=agk)
-        rg = routing_ops.routing_grouped(ids, emap, e)
-        ag, sg = act(routing_ops.permute_rows(x, rg, k))
-        cg = gemm_ops.gemm_grouped(ag, sg, w, bias, rg.expert_first_token_offset, out_dtype=dtype, act_group_k=agk)
-        ab, sb = act(xb.reshape(e * t, kdim))
-        ab = ab.reshape(e, t, kdim)
-        cb = gemm_ops.gemm_batched(ab, sb, w, bias, counts, out_dtype=dtype, act_group_k=agk)
-        cbi = gemm_ops.gemm_batched(ab, sb, w, bias, counts, out_dtype=dtype, act_group_k=agk, out=out)
-        return dict(c1=c1, c2=c2, cg=cg, cb=cb, cbi=cbi, src=r.src_rows, off=rg.expert_first_token_offset)
-
-    return fn, (x, a2, xb, ids, emap, counts, w, bias, out)
+    """All decode-sized GEMM calls on one random problem (humming_jax.testing.gemm_forms) over
+    _decode_routing's ids. Returns (fn, operands); operands[5] are the batched counts."""
+    ids, emap = _decode_routing(rng, m, k, w.num_experts)
+    return gemm_forms(rng, w, bias, dtype, quant, ids, emap, t)
 
 
 def _run_on(dev, fn, operands):

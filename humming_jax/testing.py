@@ -1,6 +1,6 @@
 """Test helpers shared by the kernel tests and the sanitizer driver: random weights in kernel layout
-with arbitrary types and group sizes (``quantize_moe_weights`` only builds the named schemes), and
-every GEMM form of one random problem as one function."""
+with arbitrary types and group sizes (``quantize_moe_weights`` only builds the named schemes),
+random routing inputs, and every GEMM form of one random problem as one function."""
 
 from __future__ import annotations
 
@@ -52,6 +52,21 @@ def random_packed_weight(
     z = jnp.asarray(rng.integers(0, 16, (e, n, cols)).astype(np.uint8)) if zero else None
     s2 = jnp.asarray((rng.random(e) + 0.5).astype(np.float32)) if scale2 else None
     return PackedWeight(data, scale, z, s2, wtype, k, 1, group_k)
+
+
+def random_routing(
+    rng: np.random.Generator, m: int, k: int, e_global: int, e_local: int, pad_frac: float
+) -> tuple[jax.Array, jax.Array]:
+    """(topk_ids [m, k], expert_map [e_global]): ids uniform over the global experts, a fraction
+    padded with -1 and one far out of range (2^31 - 1; every kernel must skip it); e_local of the
+    global experts owned, in a random order."""
+    ids = rng.integers(0, e_global, (m, k)).astype(np.int32)
+    ids = np.where(rng.random((m, k)) < pad_frac, -1, ids).astype(np.int32)
+    if m * k:
+        ids.flat[rng.integers(0, m * k)] = 2**31 - 1
+    emap = np.full(e_global, -1, np.int32)
+    emap[rng.permutation(e_global)[:e_local]] = np.arange(e_local)
+    return jnp.asarray(ids), jnp.asarray(emap)
 
 
 def gemm_forms(

@@ -31,7 +31,7 @@ from humming_jax.ops import finalize as fin_ops  # noqa: E402
 from humming_jax.ops import gemm as gemm_ops  # noqa: E402
 from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
-from humming_jax.testing import gemm_forms, random_packed_weight  # noqa: E402
+from humming_jax.testing import gemm_forms, random_packed_weight, random_routing  # noqa: E402
 from humming_jax.weights import PackedWeight  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -45,11 +45,7 @@ def run(fn, *args):
 
 
 def routing_inputs(m, k, e_global, e_local, pad):
-    ids = rng.integers(0, e_global, (m, k)).astype(np.int32)
-    ids = np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32)
-    emap = np.full(e_global, -1, np.int32)
-    emap[rng.permutation(e_global)[:e_local]] = np.arange(e_local)
-    return jnp.asarray(ids), jnp.asarray(emap)
+    return random_routing(rng, m, k, e_global, e_local, pad)
 
 
 def gemm_all_forms(w, bias, dtype, quant, m=13, topk=2, t=5):

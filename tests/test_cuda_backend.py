@@ -29,7 +29,7 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
-from humming_jax.testing import gemm_forms, random_packed_weight
+from humming_jax.testing import gemm_forms, random_packed_weight, random_routing
 from humming_jax.weights import PackedWeight
 
 _STAND_IN = os.environ.get("HUMMING_JAX_TEST_CUDA_AS_CPU") == "1"
@@ -75,17 +75,6 @@ def assert_close_16(got, want, dtype, what=""):
 # ------------------------------------------------------------------------------------------------
 # Routing and permutation: the GPU places entries in the CPU's order, so results are identical.
 # ------------------------------------------------------------------------------------------------
-def _routing_inputs(rng, m, k, e_global, e_local, pad_frac):
-    ids = rng.integers(0, e_global, (m, k)).astype(np.int32)
-    ids = np.where(rng.random((m, k)) < pad_frac, -1, ids).astype(np.int32)
-    if m * k:
-        ids.flat[rng.integers(0, m * k)] = 2**31 - 1  # far out of range: skipped
-    owned = rng.permutation(e_global)[:e_local]
-    emap = np.full(e_global, -1, np.int32)
-    emap[owned] = np.arange(e_local)
-    return jnp.asarray(ids), jnp.asarray(emap)
-
-
 ROUTING_CASES = [
     (0, 2, 8, 8, 16, 0.0),
     (1, 8, 128, 128, 16, 0.0),
@@ -98,7 +87,7 @@ ROUTING_CASES = [
 
 @pytest.mark.parametrize("m,k,e_global,e_local,block_m,pad", ROUTING_CASES)
 def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
-    ids, emap = _routing_inputs(rng, m, k, e_global, e_local, pad)
+    ids, emap = random_routing(rng, m, k, e_global, e_local, pad)
     ci, gi = both(lambda i, e: routing_ops.routing_indexed(i, e, e_local, block_m), ids, emap)
     for name, c, g in zip(routing_ops.IndexedRouting._fields, ci, gi):
         np.testing.assert_array_equal(g, c, err_msg=f"indexed {name}")
@@ -110,7 +99,7 @@ def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
 @pytest.mark.parametrize("cols,dtype", [(64, jnp.bfloat16), (33, jnp.bfloat16), (7, jnp.float16)])
 def test_permute_rows_matches_cpu(rng, cols, dtype):
     m, k, e = 37, 3, 6
-    ids, emap = _routing_inputs(rng, m, k, e, e, 0.2)
+    ids, emap = random_routing(rng, m, k, e, e, 0.2)
     x = jnp.asarray(rng.standard_normal((m, cols)), dtype)
 
     def f(x, ids, emap):
@@ -137,7 +126,7 @@ def _gemm_forms(rng, w, bias, dtype, quant, m=23, topk=3):
     """Runs every GEMM form (humming_jax.testing.gemm_forms) on CPU and GPU over random routing
     with padding and far out-of-range ids; returns [(name, cpu, gpu)] of the rows to compare."""
     e = w.num_experts
-    ids, emap = _routing_inputs(rng, m, topk, e + 2, e, 0.15)
+    ids, emap = random_routing(rng, m, topk, e + 2, e, 0.15)
     fn, operands = gemm_forms(rng, w, bias, dtype, quant, ids, emap, t=9)
     c, g = both(fn, *operands)
     np.testing.assert_array_equal(g["src"], c["src"])

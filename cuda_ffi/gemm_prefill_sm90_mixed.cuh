@@ -100,6 +100,7 @@ template <class TileShape_, class ClusterShape_>
 struct MixedConfig {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
+  static_assert(size<2>(TileShape{}) == kMixedTileK, "the dispatch checks scale groups against kMixedTileK");
 };
 
 template <class Cfg>

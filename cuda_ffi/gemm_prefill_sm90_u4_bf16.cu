@@ -8,7 +8,6 @@ namespace hj {
 namespace prefill {
 namespace detail {
 using U4Bf16Config = MixedConfig<Shape<_128, _128, _64>, Shape<_2, _1, _1>>;
-static_assert(size<2>(U4Bf16Config::TileShape{}) == kMixedTileK, "the dispatch checks scale groups against kMixedTileK");
 }  // namespace detail
 }  // namespace prefill
 }  // namespace hj

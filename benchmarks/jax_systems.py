@@ -12,7 +12,6 @@ figure is the median over the samples.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Any, Callable
 
@@ -24,10 +23,9 @@ import humming_jax as hj
 from humming_jax import experts as hj_experts
 from humming_jax.ops import routing as routing_ops
 
-TARGET_SAMPLE_S = 0.01
-MAX_CALLS_PER_SAMPLE = 256
-PROBE_CALLS = 8
-SLOW_CALL_S = 0.1
+from sampling import SLOW_CALL_S, calls_per_sample
+
+PROBE_CALLS = 8  # calls of the burst that measures one call
 
 
 def time_jax(call: Callable[[Any], Any], carry: Any, *, repeats: int, warmup: int, chain: int) -> dict:
@@ -52,7 +50,7 @@ def time_jax(call: Callable[[Any], Any], carry: Any, *, repeats: int, warmup: in
             carry = call(carry)
         jax.block_until_ready(carry)
         one = (time.perf_counter() - t0) / PROBE_CALLS
-    calls = int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(TARGET_SAMPLE_S / max(one, 1e-7)))))
+    calls = calls_per_sample(one)
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()

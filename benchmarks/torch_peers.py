@@ -19,9 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
-TARGET_SAMPLE_S = 0.01
-MAX_CALLS_PER_SAMPLE = 256
-SLOW_CALL_S = 0.1
+from sampling import SLOW_CALL_S, calls_per_sample
+
 SILU_MUL = "a / (1.0f + expf(-a)) * b"  # humming's binary_split: a = gate half, b = up half
 
 
@@ -88,7 +87,7 @@ def time_torch(run: Callable[[], Any], *, repeats: int, warmup: int, chain: int,
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize()
-    calls = int(min(MAX_CALLS_PER_SAMPLE, max(1, math.ceil(TARGET_SAMPLE_S / max(one, 1e-7)))))
+    calls = calls_per_sample(one)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
     for s, e in zip(starts, ends):

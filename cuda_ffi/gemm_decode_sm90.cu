@@ -226,6 +226,25 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   D.iters = (D.nc + wk - 1) / wk;
   D.act_row_bytes = act_row_bytes(wk);
   D.act_stage_bytes = D.max_rows * D.act_row_bytes;
+  D.act_region_bytes = kStages * D.act_stage_bytes;
+  // Whole mode: items whose activation rows fit over all of K keep them for the whole pipeline
+  // (no CTA barrier per stage). The region may grow up to what still leaves two CTAs per SM.
+  // HUMMING_JAX_DECODE_WHOLE_ACT=0 turns it off (A/B timing).
+  D.whole_row_bytes = 0;
+  D.whole_rows = 0;
+  if (env_flag("HUMMING_JAX_DECODE_WHOLE_ACT", true)) {
+    const int base = D.nc * kw * asz;
+    const int want = lane_bytes == 16 ? 64 : 16;
+    const int64_t whole_row = base + ((want - base % 128) + 128) % 128;  // the staged rows' bank rule
+    const int64_t cap = kSmemPerSm / 2 - kSmemReservedPerCta - int64_t{kStages} * kWStageBytes;
+    const int64_t region = std::max<int64_t>(D.act_region_bytes, std::min<int64_t>(cap, whole_row * D.max_rows));
+    const int64_t rows = std::min<int64_t>(D.max_rows, region / whole_row);
+    if (rows >= 1) {
+      D.whole_row_bytes = static_cast<int>(whole_row);
+      D.whole_rows = static_cast<int>(rows);
+      D.act_region_bytes = static_cast<int>(std::max<int64_t>(D.act_region_bytes, rows * whole_row));
+    }
+  }
 
   const int64_t n_slices = (N + D.bn - 1) / D.bn;
   if (n_slices > INT32_MAX) return decline(L, "N too large");
@@ -278,9 +297,9 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   if (env_flag("HUMMING_JAX_DECODE_LOG", false))
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s, wk=%d bn=%d grid=%ux%u "
-                 "items=%d rows<=%d smem=%zu)\n",
+                 "items=%d rows<=%d whole<=%d smem=%zu)\n",
                  mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wk, D.bn, pl.grid.x,
-                 pl.grid.y, D.items, D.max_rows, pl.smem);
+                 pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
   return launch_status(call, "decode_kernel");
 }
 

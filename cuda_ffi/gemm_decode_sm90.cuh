@@ -91,6 +91,9 @@ struct DecodeLaunch {
   int nc, iters;            // 64-byte chunk columns of a weight row; pipeline iterations
   int act_row_bytes;        // shared-memory stride of one activation row in a stage
   int act_stage_bytes;      // max_rows * act_row_bytes
+  int act_region_bytes;     // the activations' part of shared memory (>= kStages * act_stage_bytes)
+  int whole_row_bytes;      // stride of one activation row held over all of K (whole mode)
+  int whole_rows;           // items of at most this many rows hold their activations whole (0: never)
   int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E * T/16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
@@ -101,7 +104,7 @@ struct DecodeLaunch {
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
 inline size_t decode_smem_bytes(const DecodeLaunch& D) {
-  return static_cast<size_t>(kStages) * (kWStageBytes + D.act_stage_bytes);
+  return static_cast<size_t>(kStages) * kWStageBytes + static_cast<size_t>(D.act_region_bytes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -314,7 +317,8 @@ struct Kern {
 
   // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
   static __device__ __forceinline__ void issue(const DecodeLaunch& D, const Item& it_, int it, uint8_t* smem,
-                                               const int64_t* s_abyte, int wk, int warp, int lane, int tid) {
+                                               const int64_t* s_abyte, int wk, int warp, int lane, int tid,
+                                               bool whole) {
     const int slot = it % kStages;
     const int c = it * D.wk + wk;
     const int t = lane & 3;
@@ -333,6 +337,8 @@ struct Kern {
     }
     // Activations of the item's rows for the stage's K range, shared by the CTA's warps. Row r's
     // bytes start at s_abyte[r] (set per item); 16-byte unit cu of the stage is k = k_first + cu * 16 / kAsz.
+    // Whole mode: copied once for the item (copy_whole_activations).
+    if (whole) return;
     const int ks_bytes = D.wk * kKw * kAsz;
     const int upr_log2 = __ffs(ks_bytes / 16) - 1;  // 16-byte units per row (a power of two)
     const int units = it_.nvalid << upr_log2;
@@ -345,6 +351,25 @@ struct Kern {
       const int64_t kb = kb_first + cu * 16;
       const bool ok = kb < row_bytes;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(abase + r * D.act_row_bytes + cu * 16),
+                   "l"(ok ? a + s_abyte[r] + kb : a), "r"(ok ? 16 : 0)
+                   : "memory");
+    }
+  }
+
+  // Whole mode: the item's activation rows over all chunk columns of K, copied once by the CTA
+  // (zeros past K), so that the pipeline's stages carry only each warp's own weights and need no
+  // CTA barrier. Row r at r * whole_row_bytes of the activation region.
+  static __device__ __forceinline__ void copy_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
+                                                                const int64_t* s_abyte, int tid) {
+    const int units_per_row = D.nc * kKw * kAsz / 16;
+    const uint32_t abase = smem_addr(smem + kStages * kWStageBytes);
+    const uint8_t* a = static_cast<const uint8_t*>(D.g.p.a.data);
+    const int64_t row_bytes = static_cast<int64_t>(D.K) * kAsz;
+    for (int u = tid; u < nvalid * units_per_row; u += kThreads) {
+      const int r = u / units_per_row, cu = u - r * units_per_row;
+      const int64_t kb = static_cast<int64_t>(cu) * 16;
+      const bool ok = kb < row_bytes;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(abase + r * D.whole_row_bytes + cu * 16),
                    "l"(ok ? a + s_abyte[r] + kb : a), "r"(ok ? 16 : 0)
                    : "memory");
     }
@@ -510,12 +535,12 @@ struct Kern {
   template <int TOKT, bool kTwo = false>
   static __device__ __forceinline__ void chunk_mma(const DecodeLaunch& D, float (&acc)[kNT][TOKT][4],
                                                    const uint32_t (&w)[kNT][2][4], const uint8_t* arow0,
-                                                   int g, int nvalid, const Scales<TOKT>& s, float s2) {
+                                                   int arb, int g, int nvalid, const Scales<TOKT>& s, float s2) {
     // Token columns past nvalid read the last valid row instead of zeros: their sums are never
     // stored, and the loads need no predicate or zero fill.
     uint32_t arow[TOKT];  // shared-memory addresses
 #pragma unroll
-    for (int j = 0; j < TOKT; ++j) arow[j] = smem_addr(arow0) + min(g + 8 * j, nvalid - 1) * D.act_row_bytes;
+    for (int j = 0; j < TOKT; ++j) arow[j] = smem_addr(arow0) + min(g + 8 * j, nvalid - 1) * arb;
 
     if constexpr (WT == WeightType::kFloat) {
       // 8 bf16/f16 per lane and row: two MMA steps of natural pairs.
@@ -660,16 +685,24 @@ struct Kern {
     Scales<TOKT> s0, s1, s2n;  // this iteration, the next, the one after
     load_scales<TOKT>(D, item, 0, wk, lane, s_arow, s0);
     load_scales<TOKT>(D, item, 1, wk, lane, s_arow, s1);
+    // Whole mode (the item's activations fit over all of K): they join stage 0's copies, and
+    // after stage 0 no CTA barrier is needed, as each lane reads back only the weight bytes it
+    // copied itself. Otherwise each stage carries its K range of the activations for all warps.
+    const bool whole = item.nvalid <= D.whole_rows;
+    const int arb = whole ? D.whole_row_bytes : D.act_row_bytes;
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-      if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid);
+      if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid, whole);
+      if (st == 0 && whole) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
-      __syncthreads();  // stage `it` visible to all; stage it - 1 free for the next copies
-      if (it + kStages - 1 < D.iters) issue(D, item, it + kStages - 1, smem, s_abyte, wk, warp, lane, tid);
+      // Staged: stage `it` visible to all, stage it - 1 free for the next copies. Whole: once,
+      // for the activations.
+      if (!whole || it == 0) __syncthreads();
+      if (it + kStages - 1 < D.iters) issue(D, item, it + kStages - 1, smem, s_abyte, wk, warp, lane, tid, whole);
       cp_async_commit();
       load_scales<TOKT>(D, item, it + 2, wk, lane, s_arow, s2n);
 
@@ -682,8 +715,8 @@ struct Kern {
         for (int i = 0; i < kNT; ++i)
 #pragma unroll
           for (int h = 0; h < 2; ++h) lds128(w[i][h], wsm + (i * 2 + h) * 512);
-        const uint8_t* arow0 =
-            smem + kStages * kWStageBytes + slot * D.act_stage_bytes + (wk * kKw + t * kEpc) * kAsz;
+        const uint8_t* arow0 = smem + kStages * kWStageBytes +
+                               (whole ? c * kKw * kAsz : slot * D.act_stage_bytes + wk * kKw * kAsz) + t * kEpc * kAsz;
         if constexpr (kQ8) {
 #pragma unroll
           for (int i = 0; i < kNT; ++i)
@@ -691,7 +724,7 @@ struct Kern {
             for (int j = 0; j < TOKT; ++j)
 #pragma unroll
               for (int r = 0; r < 4; ++r) part[i][j][r] = 0.0f;
-          chunk_mma<TOKT>(D, part, w, arow0, g, item.nvalid, s0, s2);
+          chunk_mma<TOKT>(D, part, w, arow0, arb, g, item.nvalid, s0, s2);
           // One scale pair per chunk column (the host checked that scale groups cover whole
           // chunk columns): acc += part * a_scale * (w_scale * scale2), as the generic kernel.
 #pragma unroll
@@ -714,11 +747,11 @@ struct Kern {
 #pragma unroll
             for (int h = 0; h < 2; ++h) two |= s0.w[i][h][0] > 128u && s0.w[i][h][0] != 255u;
           if (__any_sync(0xffffffffu, two))
-            chunk_mma<TOKT, true>(D, acc, w, arow0, g, item.nvalid, s0, s2);
+            chunk_mma<TOKT, true>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
           else
-            chunk_mma<TOKT, false>(D, acc, w, arow0, g, item.nvalid, s0, s2);
+            chunk_mma<TOKT, false>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
         } else {
-          chunk_mma<TOKT>(D, acc, w, arow0, g, item.nvalid, s0, s2);
+          chunk_mma<TOKT>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
         }
       }
       s0 = s1;

@@ -18,8 +18,8 @@ std::atomic<uint64_t> g_launches{0};
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
 // Grouped calls with quantized weights and 16-bit activations: the most rows per expert (on
-// average) the decode kernel takes. The dequantizing prefill path, tried first, takes calls from
-// the same number (kDequantMinRowsPerExpert in gemm_prefill_sm90.cu, DEQUANT_MIN_ROWS_PER_EXPERT in
+// average) the decode kernel takes by default (quant_decode_rows_per_expert). The dequantizing
+// prefill path, tried first, takes calls from the same number (DEQUANT_MIN_ROWS_PER_EXPERT in
 // humming_jax/ops/gemm.py, the same value). At 32-63 rows per expert streaming the codes once per
 // 16-row item ran 2.7x faster on the H200 than dequantizing every expert (benchmarks/NOTES.md, v4).
 constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
@@ -121,7 +121,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       // average (kMaxRowsPerExpertQuantGrouped): streaming the codes again, mostly from L2 since
       // an expert's items run side by side, beats dequantizing every expert for the prefill kernel.
       const bool codes16 = w.type != WeightType::kFloat && !p.a.quantized();
-      const int64_t max_per_expert = codes16 ? kMaxRowsPerExpertQuantGrouped : kMaxRows;
+      const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert() : kMaxRows;
       if (R > max_per_expert * E)
         return decline(L, "more rows per expert on average than the decode kernel takes");
       const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
@@ -268,6 +268,12 @@ const char* deq_name(Deq d) {
 }
 
 }  // namespace
+
+int64_t quant_decode_rows_per_expert() {
+  const char* v = std::getenv("HUMMING_JAX_QUANT_DECODE_ROWS");
+  const int64_t r = v && *v ? std::atoll(v) : 0;
+  return r > kMaxRowsPerExpertQuantGrouped ? r : kMaxRowsPerExpertQuantGrouped;
+}
 
 Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched) {
   *launched = false;

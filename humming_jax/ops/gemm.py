@@ -97,8 +97,8 @@ DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
 # Quantized weights are dequantized for the prefill kernel only from this many rows per expert
-# (cuda_ffi/gemm_prefill_sm90.cu, kDequantMinRowsPerExpert): below it the codes go to the decode
-# or the generic kernel.
+# (cuda_ffi/gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped; $HUMMING_JAX_QUANT_DECODE_ROWS raises
+# the CUDA side's number, for A/B timing): below it the codes go to the decode or the generic kernel.
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
 
 

@@ -1,12 +1,15 @@
-"""Layer time of decode- and prefill-sized points for each value of one of the kernels' environment
+"""Time of decode- and prefill-sized points for each value of one of the kernels' environment
 switches, all in one process: the A/B harness for a kernel change that carries a switch
-(HUMMING_JAX_DECODE_WK, HUMMING_JAX_DECODE_WHOLE_ACT, HUMMING_JAX_PREFILL_MIXED, ...).
+(HUMMING_JAX_DECODE_WK, HUMMING_JAX_DECODE_WHOLE_ACT, HUMMING_JAX_QUANT_DECODE_ROWS, ...).
 
-The CUDA handlers read their switches on the host at every call, so command buffers are off here
-(a replayed graph would keep the first call's choice). Each sample is CALLS back-to-back calls
-(the GPU is the bottleneck at these sizes) and the values are sampled in turn, so slow drifts of
-the machine fall on all of them alike; read the figures against each other, not against
-bench_moe's. The value "unset" removes the variable (the built-in default).
+The CUDA handlers read their switches on the host when they launch, which under command buffers
+is when XLA records a graph. So each value gets its own executable, compiled, warmed and re-run
+with the variable set to that value (a re-recorded graph reads the same value again), and the
+serving flags (command buffers on) keep the host's dispatch out of the figures, as bench_moe does.
+A sample is a burst of calls sized to ~10 ms (sampling.py); the values are sampled in turn, so slow
+drifts of the machine fall on all of them alike. Part "gemms" times GEMM1 -> activation -> GEMM2
+with the routing prepared outside (bench_moe's gemms part), "layer" the whole fused_moe. The value
+"unset" removes the variable (the built-in default).
 
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WK --values unset,1,2,4,8 --out sweep.json
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WHOLE_ACT --values 1,0 --tokens 1,16
@@ -16,19 +19,22 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+from bench_moe import SERVING_XLA_FLAGS
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SERVING_XLA_FLAGS}".strip()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import humming_jax as hj  # noqa: E402
 
+import jax_systems as js  # noqa: E402
 import moe_setup as ms  # noqa: E402
+from sampling import calls_per_sample  # noqa: E402
 
 
 def set_var(name: str, value: str) -> None:
@@ -38,6 +44,31 @@ def set_var(name: str, value: str) -> None:
         os.environ[name] = value
 
 
+def make_step(jp: js.JaxPoint, part: str):
+    """A fresh executable (its own recorded graphs) running the part once per input set."""
+    if part == "layer":
+        def chain(w, xs, tws, ids):
+            return tuple(hj.fused_moe(xs[r], w, tws[r], ids[r], activation="silu") for r in range(jp.R))
+        step = jax.jit(chain)
+        return lambda: step(jp.weights, jp.xs, jp.tws, jp.ids)
+    cls = hj.select_experts(jp.weights.weight_key, jp.weights.act_key, "silu", rows_per_expert=jp.m * jp.k / jp.e)
+    if cls.gemm_type == "indexed":
+        layouts = [(rt, None, None) for rt in jp.indexed_routing()]
+    else:
+        layouts = [(None, rt, xp) for rt, xp in jp.grouped_routing()]
+
+    def chain(w, xs, ids, layouts):
+        outs = []
+        for r in range(jp.R):
+            ind, grp, perm = layouts[r]
+            with js._fixed_routing(ind, grp, perm):
+                outs.append(cls()._experts(xs[r], w, ids[r], jp.emap, "silu", None)[0])
+        return tuple(outs)
+
+    step = jax.jit(chain)
+    return lambda: step(jp.weights, jp.xs, jp.ids, layouts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--var", default="HUMMING_JAX_DECODE_WK", help="the environment variable to vary")
@@ -45,8 +76,8 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(ms.MATRIX_SHAPES))
     p.add_argument("--formats", default="bf16,w4a16-int4-g128,w8a8-fp8-block128,w4a16-mxfp4")
     p.add_argument("--tokens", default="1,16")
-    p.add_argument("--calls", type=int, default=30)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--part", choices=("gemms", "layer"), default="gemms")
+    p.add_argument("--repeats", type=int, default=7, help="samples per value")
     p.add_argument("--out", default="sweep_env.json")
     args = p.parse_args()
     values = [v for v in args.values.split(",") if v]
@@ -60,32 +91,47 @@ def main() -> None:
             except ValueError as err:  # a format that does not fit the shape (e.g. K % 128)
                 print(f"{shape:16s} {fmt:18s} skipped: {err}", flush=True)
                 continue
-            f = jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids))
+            bpe = ms.bytes_per_expert(w)
             for m in map(int, args.tokens.split(",")):
-                s = ms.make_point(shape, m, "uniform", 1, seed=0).sets[0]
-                x, tw, ids = jnp.asarray(s.x, w.dtype), jnp.asarray(s.topk_weights), jnp.asarray(s.topk_ids)
+                point = ms.make_point(shape, m, "uniform", 1, 0)
+                sets = ms.num_sets_for(ms.touched_bytes(point, bpe), None)
+                if sets > 1:
+                    point = ms.make_point(shape, m, "uniform", sets, 0)
+                jp = js.JaxPoint(point, w)
+                try:
+                    steps, calls = {}, {}
+                    for v in values:  # compile, record and warm each value's executable
+                        set_var(args.var, v)
+                        steps[v] = make_step(jp, args.part)
+                        jax.block_until_ready(steps[v]())
+                        t0 = time.perf_counter()
+                        for _ in range(8):
+                            out = steps[v]()
+                        jax.block_until_ready(out)
+                        calls[v] = calls_per_sample((time.perf_counter() - t0) / 8)
+                except Exception as exc:  # noqa: BLE001  (e.g. a format the activation quantizer declines)
+                    print(f"{shape:16s} {fmt:18s} M={m:<5d} failed: {str(exc).splitlines()[0]}", flush=True)
+                    continue
                 samples: dict[str, list[float]] = {v: [] for v in values}
-                for v in values:  # warm every setting once
-                    set_var(args.var, v)
-                    jax.block_until_ready(f(x, w, tw, ids))
                 for _ in range(args.repeats):
                     for v in values:
                         set_var(args.var, v)
                         t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            out = f(x, w, tw, ids)
+                        for _ in range(calls[v]):
+                            out = steps[v]()
                         jax.block_until_ready(out)
-                        samples[v].append((time.perf_counter() - t0) / args.calls * 1e3)
+                        samples[v].append((time.perf_counter() - t0) / (calls[v] * jp.R) * 1e3)
                 res = {v: float(np.median(t)) for v, t in samples.items()}
                 best = min(res, key=res.get)
                 print(f"{shape:16s} {fmt:18s} M={m:<5d} " + " ".join(f"{v}={ms_:.4f}" for v, ms_ in res.items())
                       + f"  best {best} ({res[values[0]] / res[best]:.2f}x {values[0]})", flush=True)
-                rows.append({"shape": shape, "format": fmt, "M": m, "ms": res, "samples_ms": samples})
+                rows.append({"shape": shape, "format": fmt, "M": m, "sets": jp.R, "ms": res, "samples_ms": samples})
+                del steps, jp
             del w
     set_var(args.var, before if before is not None else "unset")
     with open(args.out, "w") as fh:
-        json.dump({"var": args.var, "values": values, "rows": rows, "calls": args.calls, "repeats": args.repeats,
-                   "device": str(jax.devices()[0])}, fh, indent=1)
+        json.dump({"var": args.var, "values": values, "part": args.part, "rows": rows, "repeats": args.repeats,
+                   "xla_flags": os.environ["XLA_FLAGS"], "device": str(jax.devices()[0])}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -128,11 +128,11 @@ def test_env_sweep_times_every_value_in_turn(tmp_path):
     out = tmp_path / "sweep.json"
     env = {**os.environ, "HUMMING_JAX_DECODE_WK": "2"}
     res = subprocess.run([sys.executable, str(BENCH / "sweep_env.py"), "--var", "HUMMING_JAX_DECODE_WK", "--values",
-                          "unset,1", "--shapes", "tiny", "--formats", "bf16", "--tokens", "1", "--calls", "2",
-                          "--repeats", "2", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
+                          "unset,1", "--shapes", "tiny", "--formats", "bf16", "--tokens", "1", "--repeats", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert data["var"] == "HUMMING_JAX_DECODE_WK" and data["values"] == ["unset", "1"]
+    assert data["var"] == "HUMMING_JAX_DECODE_WK" and data["values"] == ["unset", "1"] and data["part"] == "gemms"
     (row,) = data["rows"]
     assert set(row["ms"]) == {"unset", "1"} and all(len(v) == 2 for v in row["samples_ms"].values())
     assert all(v > 0 for v in row["ms"].values())

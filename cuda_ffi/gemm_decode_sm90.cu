@@ -25,11 +25,6 @@ constexpr int64_t kSmemPerSm = 228 * 1024;
 constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
 constexpr int64_t kSmemReservedPerCta = 1024 + 512;  // + the kernel's static shared memory
 
-int env_int(const char* name, int unset) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : unset;
-}
-
 bool env_flag(const char* name, bool unset) {
   const char* v = std::getenv(name);
   if (!v || !*v) return unset;
@@ -193,13 +188,9 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
 
   // Warps along K (wk) against warps along N: more CTAs (large wk) let more SMs stream at once, a
   // wider CTA (small wk) shares each activation load among more rows and keeps the activation
-  // stage small enough for two CTAs per SM (three for the variants built for it, where shared
-  // memory allows). Pick the wk with the most CTAs resident at once (expected work items times N
-  // slices, capped by the SM slots its shared memory leaves), the smallest wk among equals; never
-  // more K groups than chunk columns. HUMMING_JAX_DECODE_CTAS_PER_SM=2 keeps every launch at two
-  // (A/B timing).
-  const int64_t max_per_sm =
-      has_three_ctas_variant(w.type, ak, dq) && env_int("HUMMING_JAX_DECODE_CTAS_PER_SM", 3) != 2 ? 3 : 2;
+  // stage small enough for two CTAs per SM (the register budget allows two). Pick the wk with the
+  // most CTAs resident at once (expected work items times N slices, capped by the SM slots its
+  // shared memory leaves), the smallest wk among equals; never more K groups than chunk columns.
   D.nc = static_cast<int>((K + kw - 1) / kw);
   const int lane_bytes = epc * asz;  // activation bytes a lane reads per token and chunk column
   auto act_row_bytes = [&](int wk) {
@@ -211,13 +202,12 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   auto smem_for = [&](int wk) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
-  auto per_sm_for = [&](int wk) { return std::min<int64_t>(max_per_sm, kSmemPerSm / (smem_for(wk) + kSmemReservedPerCta)); };
   int wk = 1;
   int64_t best = -1;
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
-    const int64_t per_sm = per_sm_for(c);
+    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
     const int64_t bn = kWarps / c * kRowsPerWarp;
     const int64_t resident = std::min(est * ((N + bn - 1) / bn), per_sm * sms);
     if (resident > best) {
@@ -231,7 +221,6 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     if ((c == 1 || c == 2 || c == 4 || c == 8) && (c == 1 || c <= D.nc) && smem_for(c) <= kMaxDynamicSmem) wk = c;
   }
   D.wk = wk;
-  D.ctas_per_sm = per_sm_for(wk) >= 3 ? 3 : 2;
   D.wn = kWarps / wk;
   D.bn = D.wn * kRowsPerWarp;
   D.iters = (D.nc + wk - 1) / wk;
@@ -239,7 +228,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   D.act_stage_bytes = D.max_rows * D.act_row_bytes;
   D.act_region_bytes = kStages * D.act_stage_bytes;
   // Whole mode: items whose activation rows fit over all of K keep them for the whole pipeline
-  // (no CTA barrier per stage). The region may grow up to what still leaves ctas_per_sm CTAs per SM.
+  // (no CTA barrier per stage). The region may grow up to what still leaves two CTAs per SM.
   // HUMMING_JAX_DECODE_WHOLE_ACT=0 turns it off (A/B timing).
   D.whole_row_bytes = 0;
   D.whole_rows = 0;
@@ -247,7 +236,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     const int base = D.nc * kw * asz;
     const int want = lane_bytes == 16 ? 64 : 16;
     const int64_t whole_row = base + ((want - base % 128) + 128) % 128;  // the staged rows' bank rule
-    const int64_t cap = kSmemPerSm / D.ctas_per_sm - kSmemReservedPerCta - int64_t{kStages} * kWStageBytes;
+    const int64_t cap = kSmemPerSm / 2 - kSmemReservedPerCta - int64_t{kStages} * kWStageBytes;
     const int64_t region = std::max<int64_t>(D.act_region_bytes, std::min<int64_t>(cap, whole_row * D.max_rows));
     const int64_t rows = std::min<int64_t>(D.max_rows, region / whole_row);
     if (rows >= 1) {
@@ -314,9 +303,9 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   if (env_flag("HUMMING_JAX_DECODE_LOG", false))
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s, wk=%d bn=%d grid=%ux%u "
-                 "items=%d rows<=%d whole<=%d smem=%zu ctas/sm=%d)\n",
+                 "items=%d rows<=%d whole<=%d smem=%zu)\n",
                  mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wk, D.bn, pl.grid.x,
-                 pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem, D.ctas_per_sm);
+                 pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
   return launch_status(call, "decode_kernel");
 }
 

@@ -98,19 +98,9 @@ struct DecodeLaunch {
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
   int w_row_bytes;          // bytes of one weight row
-  int ctas_per_sm;          // 3: the variant built for three resident CTAs per SM runs (80 registers)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
 };
-
-// Variants also built for three resident CTAs per SM (__launch_bounds__ min 3: 80 registers, no
-// spills in the main loop for items of up to 8 rows): the packed 4-bit ones and fp8 x fp8, whose
-// main loops are bound by issue and latency rather than by HBM, so more warps per scheduler help.
-// The host picks them when the launch's shared memory leaves room for three CTAs.
-constexpr bool has_three_ctas_variant(WeightType wt, ActKind ak, Deq dq) {
-  return (wt == WeightType::kUInt4 && dq == Deq::kPackedU4) || (wt == WeightType::kFp4E2M1 && dq == Deq::kPackedFp4) ||
-         (wt == WeightType::kFp8E4M3 && ak == ActKind::kFp8 && dq == Deq::kCodes);
-}
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
 inline size_t decode_smem_bytes(const DecodeLaunch& D) {
@@ -828,8 +818,8 @@ __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int
   }
 }
 
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP, int kMinCtas>
-__global__ void __launch_bounds__(kThreads, kMinCtas) decode_kernel(const __grid_constant__ DecodeLaunch D) {
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   using K_ = Kern<WT, AK, DQ, SF, ZP>;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -1017,9 +1007,9 @@ template <>
 bool launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 
 // Raises the kernel's dynamic shared-memory limit once per device (a launch above 48 KB needs it).
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP, int kMinCtas>
-bool launch_instance(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP, kMinCtas>;
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true>
+bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
+  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP>;
   static unsigned configured = 0;  // bit d: device d configured (a benign race: the calls are idempotent)
   int dev = 0;
   cudaGetDevice(&dev);
@@ -1033,14 +1023,6 @@ bool launch_instance(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t
   }
   kernel<<<grid, kThreads, smem, stream>>>(D);
   return true;
-}
-
-// The variant for two resident CTAs per SM, or for three where it has one and the host chose it.
-template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true>
-bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  if constexpr (has_three_ctas_variant(WT, AK, DQ))
-    if (D.ctas_per_sm == 3) return launch_instance<WT, AK, DQ, SF, ZP, 3>(D, grid, smem, stream);
-  return launch_instance<WT, AK, DQ, SF, ZP, 2>(D, grid, smem, stream);
 }
 
 }  // namespace decode

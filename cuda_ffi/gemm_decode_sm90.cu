@@ -248,17 +248,10 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
 
   const int64_t n_slices = (N + D.bn - 1) / D.bn;
   if (n_slices > INT32_MAX) return decline(L, "N too large");
-  // Items along the grid's x: an expert's items (several at 17-64 rows per expert) then stream the
-  // same weight slice together and share it through L2 instead of reading it from HBM once each.
-  // Slices along y allow 65535; HUMMING_JAX_DECODE_ITEM_MAJOR=0 gives the slice-major order back
-  // (A/B timing).
-  D.item_major = env_flag("HUMMING_JAX_DECODE_ITEM_MAJOR", true) && n_slices <= 65535 ? 1 : 0;
   out->ak = ak;
   out->dq = dq;
   out->f32_scales = (dq == Deq::kF32 || dq == Deq::kCodes) && w.scale_type == ElemType::kF32;
-  out->grid = D.item_major
-                  ? dim3(static_cast<unsigned>(std::min<int64_t>(grid_items, INT32_MAX)), static_cast<unsigned>(n_slices))
-                  : dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
+  out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
   return true;

@@ -98,7 +98,6 @@ struct DecodeLaunch {
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
   int w_row_bytes;          // bytes of one weight row
-  int item_major;           // grid x: work items, y: N slices (else x: N slices, y: items)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
 };
@@ -831,14 +830,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
                 "static shared memory exceeds the reserve subtracted from kMaxDynamicSmem");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Item-major grid (items along x): the CTAs of one expert's items over the same N slice run side
-  // by side, so its weight bytes come from HBM once and from L2 for the other items.
-  const int64_t n0 = static_cast<int64_t>(D.item_major ? blockIdx.y : blockIdx.x) * D.bn;
-  const int item_first = static_cast<int>(D.item_major ? blockIdx.x : blockIdx.y);
-  const int item_step = static_cast<int>(D.item_major ? gridDim.x : gridDim.y);
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * D.bn;
   const GemmLaunch& L = D.g;
 
-  for (int item = item_first; item < D.items; item += item_step) {
+  for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
     int64_t zlo = 0, zhi = 0;
     if (L.mode == RowMode::kIndexed) {
       int64_t used = *L.ntpp;

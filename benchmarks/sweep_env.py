@@ -9,7 +9,9 @@ serving flags (command buffers on) keep the host's dispatch out of the figures, 
 A sample is a burst of calls sized to ~10 ms (sampling.py); the values are sampled in turn, so slow
 drifts of the machine fall on all of them alike. Part "gemms" times GEMM1 -> activation -> GEMM2
 with the routing prepared outside (bench_moe's gemms part), "layer" the whole fused_moe. The value
-"unset" removes the variable (the built-in default).
+"unset" removes the variable (the built-in default). ``--timer device`` reads each sample's time
+from a profiler trace of the GPU's kernels instead of the wall clock (device_timer.py), for points
+short enough that the host's dispatch can set the wall-clock figure.
 
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WK --values unset,1,2,4,8 --out sweep.json
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WHOLE_ACT --values 1,0 --tokens 1,16
@@ -34,6 +36,7 @@ import humming_jax as hj  # noqa: E402
 
 import jax_systems as js  # noqa: E402
 import moe_setup as ms  # noqa: E402
+from device_timer import device_time_per_call  # noqa: E402
 from sampling import calls_per_sample  # noqa: E402
 
 
@@ -78,11 +81,29 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--part", choices=("gemms", "layer"), default="gemms")
     p.add_argument("--repeats", type=int, default=7, help="samples per value")
+    p.add_argument("--timer", choices=("wall", "device"), default="wall",
+                   help="wall clock around each sample, or the GPU's kernel activity in a trace of it")
     p.add_argument("--out", default="sweep_env.json")
     args = p.parse_args()
     values = [v for v in args.values.split(",") if v]
     before = os.environ.get(args.var)
     rows = []
+    trace_lines: list[str] = []
+
+    def sample_ms(step, calls: int, sets: int) -> float:
+        if args.timer == "wall":
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(calls):
+                out = step()
+            jax.block_until_ready(out)
+            return (time.perf_counter() - t0) / (calls * sets) * 1e3
+        res = device_time_per_call(step, calls)
+        if res is None:
+            raise SystemExit("--timer device: the trace has no GPU plane (this backend has no device timeline)")
+        trace_lines[:] = res["lines"]
+        return res["ms"] / sets
+
     for shape in args.shapes.split(","):
         e, k, h, i = ms.SHAPES[shape]
         for fmt in args.formats.split(","):
@@ -116,11 +137,7 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for v in values:
                         set_var(args.var, v)
-                        t0 = time.perf_counter()
-                        for _ in range(calls[v]):
-                            out = steps[v]()
-                        jax.block_until_ready(out)
-                        samples[v].append((time.perf_counter() - t0) / (calls[v] * jp.R) * 1e3)
+                        samples[v].append(sample_ms(steps[v], calls[v], jp.R))
                 res = {v: float(np.median(t)) for v, t in samples.items()}
                 best = min(res, key=res.get)
                 print(f"{shape:16s} {fmt:18s} M={m:<5d} " + " ".join(f"{v}={ms_:.4f}" for v, ms_ in res.items())
@@ -130,7 +147,8 @@ def main() -> None:
             del w
     set_var(args.var, before if before is not None else "unset")
     with open(args.out, "w") as fh:
-        json.dump({"var": args.var, "values": values, "part": args.part, "rows": rows, "repeats": args.repeats,
+        json.dump({"var": args.var, "values": values, "part": args.part, "timer": args.timer,
+                   "trace_lines": trace_lines, "rows": rows, "repeats": args.repeats,
                    "xla_flags": os.environ["XLA_FLAGS"], "device": str(jax.devices()[0])}, fh, indent=1)
 
 

@@ -136,3 +136,37 @@ def test_env_sweep_times_every_value_in_turn(tmp_path):
     (row,) = data["rows"]
     assert set(row["ms"]) == {"unset", "1"} and all(len(v) == 2 for v in row["samples_ms"].values())
     assert all(v > 0 for v in row["ms"].values())
+
+
+def test_busy_time_merges_overlaps_and_counts_only_short_gaps():
+    from device_timer import busy_time_ns
+
+    rng = np.random.default_rng()
+    starts = np.sort(rng.uniform(0, 1e6, 40))
+    spans = [(float(s), float(s + d)) for s, d in zip(starts, rng.uniform(10, 5e4, 40))]
+    # Reference by painting a 1-ns grid: busy where any interval covers, plus gaps <= the limit.
+    grid = np.zeros(int(max(e for _, e in spans)) + 2, bool)
+    for s, e in spans:
+        grid[int(np.ceil(s)):int(np.ceil(e))] = True
+    for gap in (0.0, 2e3, 1e9):
+        idle = np.flatnonzero(~grid[: int(np.ceil(max(e for _, e in spans)))])
+        painted = grid.copy()
+        first, last = np.flatnonzero(grid)[[0, -1]]
+        runs = np.split(idle, np.flatnonzero(np.diff(idle) > 1) + 1) if idle.size else []
+        for r in runs:
+            if r.size and r[0] > first and r[-1] < last and r.size <= gap:
+                painted[r] = True
+        assert abs(busy_time_ns(spans, gap) - painted.sum()) <= 2 * len(spans), gap
+    assert busy_time_ns([], 1e3) == 0.0
+    assert busy_time_ns([(0, 10), (5, 20), (25, 30)], 4) == 25 and busy_time_ns([(0, 10), (5, 20), (25, 30)], 5) == 30
+
+
+def test_device_timer_reports_no_device_plane_on_the_cpu():
+    from device_timer import device_time_per_call
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU backend's answer")
+    f = jax.jit(lambda x: (x @ x).sum())
+    x = jax.numpy.ones((64, 64))
+    f(x).block_until_ready()
+    assert device_time_per_call(lambda: f(x), 3) is None

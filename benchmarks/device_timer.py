@@ -1,0 +1,88 @@
+"""Device-side time per call of a JAX callable, read from a profiler trace of its kernels.
+
+Wall-clock timing of calls that take ~25 µs on the GPU (qwen3-sized decode layers) is set by the
+host whenever the host's dispatch falls behind: the same point then moves by 30% between two runs
+(benchmarks/NOTES.md, v7), while the peers, timed by CUDA events over graph replays, do not. This
+module traces a burst of calls with ``jax.profiler`` and measures the span of the GPU's activity
+instead: the union of the kernel intervals on the device plane, counting the gaps between them up
+to ``max_gap_us`` (launch gaps inside a graph or between back-to-back calls) and dropping longer
+ones (the GPU waiting for the host). That is the time a host that keeps up would see, which is what
+the peers' event timing measures.
+
+    from device_timer import device_time_per_call
+    ms = device_time_per_call(lambda: step(*args), calls=50)   # None without a GPU plane
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from typing import Any, Callable, Iterable
+
+import jax
+
+# Lines of the device plane that the profiler derives from the kernels (or that hold no kernels);
+# stream lines carry the kernels themselves.
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework Name Scope", "Source code", "XLA TraceMe")
+
+
+def busy_time_ns(intervals: Iterable[tuple[float, float]], max_gap_ns: float) -> float:
+    """Length of the union of [start, end) intervals plus the gaps between consecutive merged
+    intervals that are at most ``max_gap_ns`` long."""
+    spans = sorted((s, e) for s, e in intervals if e >= s)
+    if not spans:
+        return 0.0
+    total = 0.0
+    cur_s, cur_e = spans[0]
+    for s, e in spans[1:]:
+        if s <= cur_e + max_gap_ns:  # overlapping, or a short gap: one busy stretch
+            cur_e = max(cur_e, e)
+        else:
+            total += cur_e - cur_s
+            cur_s, cur_e = s, e
+    return total + (cur_e - cur_s)
+
+
+def device_intervals(xspace_path: str) -> tuple[list[tuple[float, float]], list[str]] | None:
+    """Kernel intervals (ns) on the trace's GPU planes and the names of the lines they came from;
+    None when the trace has no GPU plane (CPU backend). Stream lines are preferred; without any,
+    every line but the derived ones is taken."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(xspace_path)
+    planes = [p for p in data.planes if "/device:gpu" in p.name.lower()]
+    if not planes:
+        return None
+    intervals, used = [], []
+    for plane in planes:
+        lines = list(plane.lines)
+        streams = [ln for ln in lines if ln.name.lower().startswith("stream")]
+        for ln in streams or [ln for ln in lines if ln.name not in DERIVED_LINES]:
+            used.append(f"{plane.name}: {ln.name}")
+            intervals.extend((ev.start_ns, ev.start_ns + ev.duration_ns) for ev in ln.events)
+    return intervals, used
+
+
+def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: float = 10.0,
+                         trace_dir: str | None = None) -> dict | None:
+    """Runs ``call()`` ``calls`` times under a profiler trace (warm it first: compilation and graph
+    recording would be counted) and returns {"ms": device time per call, "kernels": intervals seen,
+    "lines": lines used}; None when the trace has no GPU plane."""
+    with tempfile.TemporaryDirectory(dir=trace_dir) as d:
+        with jax.profiler.trace(d):
+            out = None
+            for _ in range(calls):
+                out = call()
+            jax.block_until_ready(out)
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError(f"the profiler wrote no trace under {d}")
+        found = device_intervals(files[0])
+    if found is None:
+        return None
+    intervals, lines = found
+    if not intervals:
+        raise RuntimeError(f"the trace's GPU plane holds no kernel intervals (lines: {lines})")
+    busy = busy_time_ns(intervals, max_gap_us * 1e3)
+    return {"ms": busy / calls / 1e6, "kernels": len(intervals), "lines": lines}

@@ -44,31 +44,28 @@ def busy_time_ns(intervals: Iterable[tuple[float, float]], max_gap_ns: float) ->
     return total + (cur_e - cur_s)
 
 
-def device_intervals(xspace_path: str) -> tuple[list[tuple[float, float]], list[str]] | None:
-    """Kernel intervals (ns) on the trace's GPU planes and the names of the lines they came from;
-    None when the trace has no GPU plane (CPU backend). Stream lines are preferred; without any,
-    every line but the derived ones is taken."""
+def device_events(xspace_path: str) -> tuple[list[tuple[str, float, float]], list[str]] | None:
+    """Kernel events (name, start ns, end ns) on the trace's GPU planes and the names of the lines
+    they came from; None when the trace has no GPU plane (CPU backend). Stream lines are
+    preferred; without any, every line but the derived ones is taken."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(xspace_path)
     planes = [p for p in data.planes if "/device:gpu" in p.name.lower()]
     if not planes:
         return None
-    intervals, used = [], []
+    events, used = [], []
     for plane in planes:
         lines = list(plane.lines)
         streams = [ln for ln in lines if ln.name.lower().startswith("stream")]
         for ln in streams or [ln for ln in lines if ln.name not in DERIVED_LINES]:
             used.append(f"{plane.name}: {ln.name}")
-            intervals.extend((ev.start_ns, ev.start_ns + ev.duration_ns) for ev in ln.events)
-    return intervals, used
+            events.extend((ev.name, ev.start_ns, ev.start_ns + ev.duration_ns) for ev in ln.events)
+    return events, used
 
 
-def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: float = 10.0,
-                         trace_dir: str | None = None) -> dict | None:
-    """Runs ``call()`` ``calls`` times under a profiler trace (warm it first: compilation and graph
-    recording would be counted) and returns {"ms": device time per call, "kernels": intervals seen,
-    "lines": lines used}; None when the trace has no GPU plane."""
+def trace_calls(call: Callable[[], Any], calls: int, trace_dir: str | None = None):
+    """device_events of a profiler trace of ``calls`` calls (None without a GPU plane)."""
     with tempfile.TemporaryDirectory(dir=trace_dir) as d:
         with jax.profiler.trace(d):
             out = None
@@ -78,11 +75,28 @@ def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: flo
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             raise RuntimeError(f"the profiler wrote no trace under {d}")
-        found = device_intervals(files[0])
+        return device_events(files[0])
+
+
+def kernel_table(events: Iterable[tuple[str, float, float]], calls: int) -> list[tuple[str, float, float]]:
+    """(kernel name, launches per call, µs per call), the most time first."""
+    per: dict[str, list[float]] = {}
+    for name, s, e in events:
+        per.setdefault(name, []).append(e - s)
+    rows = [(name, len(d) / calls, sum(d) / calls / 1e3) for name, d in per.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: float = 10.0,
+                         trace_dir: str | None = None) -> dict | None:
+    """Runs ``call()`` ``calls`` times under a profiler trace (warm it first: compilation and graph
+    recording would be counted) and returns {"ms": device time per call, "kernels": intervals seen,
+    "lines": lines used}; None when the trace has no GPU plane."""
+    found = trace_calls(call, calls, trace_dir)
     if found is None:
         return None
-    intervals, lines = found
-    if not intervals:
-        raise RuntimeError(f"the trace's GPU plane holds no kernel intervals (lines: {lines})")
-    busy = busy_time_ns(intervals, max_gap_us * 1e3)
-    return {"ms": busy / calls / 1e6, "kernels": len(intervals), "lines": lines}
+    events, lines = found
+    if not events:
+        raise RuntimeError(f"the trace's GPU plane holds no kernel events (lines: {lines})")
+    busy = busy_time_ns(((s, e) for _, s, e in events), max_gap_us * 1e3)
+    return {"ms": busy / calls / 1e6, "kernels": len(events), "lines": lines}

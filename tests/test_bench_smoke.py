@@ -170,3 +170,22 @@ def test_device_timer_reports_no_device_plane_on_the_cpu():
     x = jax.numpy.ones((64, 64))
     f(x).block_until_ready()
     assert device_time_per_call(lambda: f(x), 3) is None
+
+
+def test_kernel_table_sums_per_name_and_call():
+    from device_timer import kernel_table
+
+    rng = np.random.default_rng()
+    names = ["gemm", "act", "finalize"]
+    events, want = [], {n: 0.0 for n in names}
+    for _ in range(60):
+        n = names[int(rng.integers(3))]
+        s = float(rng.uniform(0, 1e6))
+        d = float(rng.uniform(100, 5e4))
+        events.append((n, s, s + d))
+        want[n] += d
+    table = kernel_table(events, calls=3)
+    assert [r[2] for r in table] == sorted((r[2] for r in table), reverse=True)
+    for name, per_call, us in table:
+        assert per_call == sum(1 for e in events if e[0] == name) / 3
+        assert abs(us - want[name] / 3 / 1e3) < 1e-6 * max(1.0, us)

@@ -114,17 +114,17 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16-byte async copy of weights; `bytes` < 16 zero-fills the rest (0 = no read at all). The L2
-// prefetch hint pulls the rest of the row's 256-byte segment, which the next stages read.
-__device__ __forceinline__ void cp_async_weights(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(bytes)
+// 16-byte async copy of weights to shared-memory address `dst`; `bytes` < 16 zero-fills the rest
+// (0 = no read at all). The L2 prefetch hint pulls the rest of the row's 256-byte segment, which
+// the next stages read.
+__device__ __forceinline__ void cp_async_weights(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
                : "memory");
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes)
-               : "memory");
+// The same without the prefetch hint (activation rows).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -329,9 +329,7 @@ struct Kern {
 #pragma unroll
       for (int q = 0; q < kNT * 2; ++q) {
         const bool ok = kok && ((it_.row_ok >> q) & 1u);
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst + q * 512),
-                     "l"(ok ? src : it_.wlane), "r"(ok ? 16 : 0)
-                     : "memory");
+        cp_async_weights(dst + q * 512, ok ? src : it_.wlane, ok ? 16 : 0);
         src += it_.stride8;
       }
     }
@@ -350,9 +348,7 @@ struct Kern {
       const int r = u >> upr_log2, cu = u & ((1 << upr_log2) - 1);
       const int64_t kb = kb_first + cu * 16;
       const bool ok = kb < row_bytes;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(abase + r * D.act_row_bytes + cu * 16),
-                   "l"(ok ? a + s_abyte[r] + kb : a), "r"(ok ? 16 : 0)
-                   : "memory");
+      cp_async16(abase + r * D.act_row_bytes + cu * 16, ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
     }
   }
 
@@ -369,9 +365,7 @@ struct Kern {
       const int r = u / units_per_row, cu = u - r * units_per_row;
       const int64_t kb = static_cast<int64_t>(cu) * 16;
       const bool ok = kb < row_bytes;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(abase + r * D.whole_row_bytes + cu * 16),
-                   "l"(ok ? a + s_abyte[r] + kb : a), "r"(ok ? 16 : 0)
-                   : "memory");
+      cp_async16(abase + r * D.whole_row_bytes + cu * 16, ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
     }
   }
 

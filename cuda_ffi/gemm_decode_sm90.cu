@@ -193,12 +193,13 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   // shared memory leaves), the smallest wk among equals; never more K groups than chunk columns.
   D.nc = static_cast<int>((K + kw - 1) / kw);
   const int lane_bytes = epc * asz;  // activation bytes a lane reads per token and chunk column
-  auto act_row_bytes = [&](int wk) {
-    // Rows padded so that the lanes of a quarter warp read distinct banks.
-    const int base = wk * kw * asz;
+  // Activation rows of `base` bytes padded so that the lanes of a quarter warp read distinct banks
+  // (the staged rows of one stage and the whole-K rows alike).
+  auto padded_row = [&](int base) {
     const int want = lane_bytes == 16 ? 64 : 16;
     return base + ((want - base % 128) + 128) % 128;
   };
+  auto act_row_bytes = [&](int wk) { return padded_row(wk * kw * asz); };
   auto smem_for = [&](int wk) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
@@ -233,9 +234,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   D.whole_row_bytes = 0;
   D.whole_rows = 0;
   if (env_flag("HUMMING_JAX_DECODE_WHOLE_ACT", true)) {
-    const int base = D.nc * kw * asz;
-    const int want = lane_bytes == 16 ? 64 : 16;
-    const int64_t whole_row = base + ((want - base % 128) + 128) % 128;  // the staged rows' bank rule
+    const int64_t whole_row = padded_row(D.nc * kw * asz);
     const int64_t cap = kSmemPerSm / 2 - kSmemReservedPerCta - int64_t{kStages} * kWStageBytes;
     const int64_t region = std::max<int64_t>(D.act_region_bytes, std::min<int64_t>(cap, whole_row * D.max_rows));
     const int64_t rows = std::min<int64_t>(D.max_rows, region / whole_row);

@@ -20,10 +20,6 @@ namespace {
 // promises less for a sub-buffer), and the rounding slack is part of the need.
 constexpr size_t kWorkspaceAlign = 128;
 
-// Quantized weights with 16-bit activations are dequantized for these kernels only from
-// decode::quant_decode_rows_per_expert() rows per expert (64; humming_jax/ops/gemm.py
-// DEQUANT_MIN_ROWS_PER_EXPERT); below, the decode kernel or the generic one.
-
 // Kind::kU4Bf16 runs below this many rows per expert; from there the dequantizing path does
 // (humming_jax/ops/gemm.py, MIXED_MAX_ROWS_PER_EXPERT). Measured on the H200 (benchmarks/NOTES.md,
 // v5): at 64-256 rows per expert the mixed-input kind takes 0.50-0.73x the dequantizing path's
@@ -124,7 +120,8 @@ namespace {
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
 // bf16 activations and output, kMinRowsPerExpert up to kMixedMaxRowsPerExpert rows per expert:
 // the mixed-input kinds (below quant_decode_rows_per_expert() they take these calls from the decode
-// kernel, which streams the codes once per 16 rows). Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
+// kernel, which streams the codes once per 16 rows). Rows of codes 16-byte aligned (K % 32) and
+// N % 8 (TMA: scale and output rows of 16 bytes).
 bool mixed_input_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
   return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
@@ -297,8 +294,9 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   // their codes: the fp8 kind scales them in the mainloop).
   const Kind wk = wide_kind(kind);
   if ((wk == Kind::kBf16 || wk == Kind::kF16) && p.w.type != WeightType::kFloat) {
-    // Below that many rows per expert the codes stay for the other kernels, whatever room the
-    // workspace happens to have (humming_jax/ops/gemm.py sizes it by the same rule).
+    // Dequantized only from decode::quant_decode_rows_per_expert() rows per expert (64; below it
+    // the decode kernel or the generic one), whatever room the workspace happens to have
+    // (humming_jax/ops/gemm.py, DEQUANT_MIN_ROWS_PER_EXPERT, sizes it by the same rule).
     if (R < decode::quant_decode_rows_per_expert() * p.w.E) return Error::Success();
     return run_dequantized(call, g, p, dev, stream, handled);
   }

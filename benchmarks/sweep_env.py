@@ -47,6 +47,16 @@ def set_var(name: str, value: str) -> None:
         os.environ[name] = value
 
 
+def burst_s(step, calls: int) -> float:
+    """Wall seconds of ``calls`` back-to-back calls of ``step``, synchronized once at the end."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(calls):
+        out = step()
+    jax.block_until_ready(out)
+    return time.perf_counter() - t0
+
+
 def make_step(jp: js.JaxPoint, part: str):
     """A fresh executable (its own recorded graphs) running the part once per input set."""
     if part == "layer":
@@ -92,12 +102,7 @@ def main() -> None:
 
     def sample_ms(step, calls: int, sets: int) -> float:
         if args.timer == "wall":
-            t0 = time.perf_counter()
-            out = None
-            for _ in range(calls):
-                out = step()
-            jax.block_until_ready(out)
-            return (time.perf_counter() - t0) / (calls * sets) * 1e3
+            return burst_s(step, calls) / (calls * sets) * 1e3
         res = device_time_per_call(step, calls)
         if res is None:
             raise SystemExit("--timer device: the trace has no GPU plane (this backend has no device timeline)")
@@ -125,11 +130,7 @@ def main() -> None:
                         set_var(args.var, v)
                         steps[v] = make_step(jp, args.part)
                         jax.block_until_ready(steps[v]())
-                        t0 = time.perf_counter()
-                        for _ in range(8):
-                            out = steps[v]()
-                        jax.block_until_ready(out)
-                        calls[v] = calls_per_sample((time.perf_counter() - t0) / 8)
+                        calls[v] = calls_per_sample(burst_s(steps[v], js.PROBE_CALLS) / js.PROBE_CALLS)
                 except Exception as exc:  # noqa: BLE001  (e.g. a format the activation quantizer declines)
                     print(f"{shape:16s} {fmt:18s} M={m:<5d} failed: {str(exc).splitlines()[0]}", flush=True)
                     continue

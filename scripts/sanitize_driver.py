@@ -44,14 +44,10 @@ def run(fn, *args):
     return jax.block_until_ready(jax.jit(fn)(*args))
 
 
-def routing_inputs(m, k, e_global, e_local, pad):
-    return random_routing(rng, m, k, e_global, e_local, pad)
-
-
 def gemm_all_forms(w, bias, dtype, quant, m=13, topk=2, t=5):
     """Every GEMM form of one random problem (humming_jax.testing.gemm_forms), in one jitted call."""
     e = w.num_experts
-    ids, emap = routing_inputs(m, topk, e + 1, e, 0.2)
+    ids, emap = random_routing(rng, m, topk, e + 1, e, 0.2)
     fn, operands = gemm_forms(rng, w, bias, dtype, quant, ids, emap, t)
     run(fn, *operands)
 
@@ -66,11 +62,11 @@ def main() -> None:
         assert hj.cuda_available(), hj._ffi.backend_report()
     # Routing and permutation, including zero tokens and per-expert padding of block_m = 5.
     for m, k, eg, el, bm in [(0, 2, 4, 4, 16), (1, 8, 16, 16, 16), (37, 3, 9, 5, 5), (200, 4, 32, 32, 64)]:
-        ids, emap = routing_inputs(m, k, eg, el, 0.1)
+        ids, emap = random_routing(rng, m, k, eg, el, 0.1)
         run(lambda i, e: routing_ops.routing_indexed(i, e, el, bm), ids, emap)
         run(lambda i, e: routing_ops.routing_grouped(i, e, el), ids, emap)
     for cols in (64, 33):
-        ids, emap = routing_inputs(21, 3, 6, 6, 0.2)
+        ids, emap = random_routing(rng, 21, 3, 6, 6, 0.2)
         x = jnp.asarray(rng.standard_normal((21, cols)), jnp.bfloat16)
         run(lambda x, i, e: routing_ops.permute_rows(x, routing_ops.routing_grouped(i, e, 6), 3), x, ids, emap)
 
@@ -132,7 +128,7 @@ def main() -> None:
         for m in (0, 7):
             x = jnp.asarray(rng.standard_normal((m, 128)), jnp.bfloat16)
             tw = jnp.asarray(rng.random((m, 2)).astype(np.float32))
-            ids, _ = routing_inputs(m, 2, 6, 4, 0.1)
+            ids, _ = random_routing(rng, m, 2, 6, 4, 0.1)
             for cls in (IndexedExperts, GroupedExperts):
                 run(lambda o, x, w, tw, ids, cls=cls: cls().apply(o, x, w, tw, ids), jnp.zeros_like(x), x, wts, tw, ids)
         xb = jnp.asarray(rng.standard_normal((4, 6, 128)), jnp.bfloat16)

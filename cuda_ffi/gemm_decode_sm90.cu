@@ -23,7 +23,7 @@ constexpr int64_t kSmemPerSm = 228 * 1024;
 // humming_jax/ops/gemm.py, the same value). At 32-63 rows per expert streaming the codes once per
 // 16-row item ran 2.7x faster on the H200 than dequantizing every expert (benchmarks/NOTES.md, v4).
 constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
-constexpr int64_t kSmemReservedPerCta = 1024 + 512;  // + the kernel's static shared memory
+constexpr int64_t kSmemReservedPerCta = 1024 + kStaticSmemReserve;  // + the kernel's static shared memory
 
 bool env_flag(const char* name, bool unset) {
   const char* v = std::getenv(name);
@@ -98,9 +98,10 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
 
   // Rows: the work items and how many of them are expected to do work.
   int64_t est = 0, grid_items = 0;
+  D.item_rows = kItemRows;
   switch (L.mode) {
     case RowMode::kIndexed: {
-      if (L.block_m > kMaxRows) return decline(L, "block_m > 16 (prefill-sized blocks)");
+      if (L.block_m > kItemRows) return decline(L, "block_m > 16 (prefill-sized blocks)");
       if (L.a_rows >= INT32_MAX || L.c_rows >= INT32_MAX) return decline(L, "too many rows");
       const int64_t blocks = L.padded_rows / L.block_m;
       // Used blocks are a prefix; an expert with n rows uses ceil(n / block_m) of them.
@@ -117,25 +118,27 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     case RowMode::kGrouped: {
       const int64_t R = L.R;
       if (R <= 0) return decline(L, "no rows");
-      // Quantized weights with 16-bit activations may take several 16-row items per expert on
-      // average (kMaxRowsPerExpertQuantGrouped): streaming the codes again, mostly from L2 since
-      // an expert's items run side by side, beats dequantizing every expert for the prefill kernel.
+      // Quantized weights with 16-bit activations may take several items per expert on average
+      // (kMaxRowsPerExpertQuantGrouped), of up to 32 rows each: every item dequantizes the
+      // expert's codes again, which beats dequantizing every expert for the prefill kernel at
+      // these sizes; wider items halve that work at 17-64 rows per expert.
       const bool codes16 = w.type != WeightType::kFloat && !p.a.quantized();
-      const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert() : kMaxRows;
+      D.item_rows = codes16 ? kMaxRows : kItemRows;
+      const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert() : kItemRows;
       if (R > max_per_expert * E)
         return decline(L, "more rows per expert on average than the decode kernel takes");
-      const int64_t tiles = (R + kMaxRows - 1) / kMaxRows;
+      const int64_t tiles = (R + D.item_rows - 1) / D.item_rows;
       const int64_t gemm_items = tiles + std::min(E, R);
       if (gemm_items + tiles > INT32_MAX) return decline(L, "too many rows");
       D.gemm_items = static_cast<int>(gemm_items);
       D.items = static_cast<int>(gemm_items + tiles);
       grid_items = D.items;
-      D.max_rows = static_cast<int>(std::min<int64_t>(kMaxRows, R));
+      D.max_rows = static_cast<int>(std::min<int64_t>(D.item_rows, R));
       est = std::max<int64_t>(1, expected_distinct(E, R));
       break;
     }
     default: {
-      if (L.T <= 0 || L.T > kMaxRows) return decline(L, "T > 16 rows per expert");
+      if (L.T <= 0 || L.T > kItemRows) return decline(L, "T > 16 rows per expert");
       if (E * L.T >= INT32_MAX) return decline(L, "too many rows");
       D.items = static_cast<int>(E);
       grid_items = E;

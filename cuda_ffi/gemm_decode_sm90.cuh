@@ -53,13 +53,14 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kNT = 2;                                  // 16-row weight tiles per warp
 constexpr int kStages = 4;                              // cp.async ring depth
-constexpr int kMaxRows = 16;                            // rows (tokens) of one work item
+constexpr int kItemRows = 16;                           // rows (tokens) of a work item, as a rule
+constexpr int kMaxRows = 32;                            // ... and at most (grouped, D.item_rows)
 constexpr int kLaneBytes = kNT * 2 * 16;                // weight bytes one lane copies per stage
 constexpr int kWarpStageBytes = kLaneBytes * 32;        // 2 KB
 constexpr int kWStageBytes = kWarpStageBytes * kWarps;  // 16 KB of weights per CTA stage
 constexpr int kRowsPerWarp = kNT * 16;                  // weight rows per warp
 constexpr int kChunkRowBytes = 64;                      // bytes of a row one warp reads per stage
-constexpr int kStaticSmemReserve = 512;                // bound on decode_kernel's static shared memory
+constexpr int kStaticSmemReserve = 1024;               // bound on decode_kernel's static shared memory
 // The sm_90 opt-in limit per block (227 KB) covers static and dynamic shared memory together.
 constexpr int kMaxDynamicSmem = 227 * 1024 - kStaticSmemReserve;
 
@@ -98,6 +99,8 @@ struct DecodeLaunch {
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
   int w_row_bytes;          // bytes of one weight row
+  int item_rows;            // grouped: rows per work item (kItemRows; kMaxRows for quantized weights
+                            // with 16-bit activations, which then dequantize once per 32 rows)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
 };
@@ -281,6 +284,8 @@ struct Kern {
   // mma.sync is no shortcut on sm_90: ptxas expands it into f16 conversions of both operands.)
   static constexpr bool kNative8 = WT == WeightType::kInt8 && AK == ActKind::kI8;
   static constexpr bool k4Bit = WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1;
+  // Quantized weights with 16-bit activations take grouped items of up to kMaxRows rows.
+  static constexpr bool kWideItems = !kQ8 && WT != WeightType::kFloat;
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
@@ -871,7 +876,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
           const int hi = min(R, max(v, done));
           int lo = __shfl_up_sync(0xffffffffu, hi, 1);
           if (lane == 0) lo = done;
-          const int tiles = e < L.E ? (hi - lo + kMaxRows - 1) / kMaxRows : 0;
+          const int tiles = e < L.E ? (hi - lo + D.item_rows - 1) / D.item_rows : 0;
           int incl = tiles;
 #pragma unroll
           for (int o = 1; o < 32; o <<= 1) {
@@ -895,8 +900,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         int64_t zl = 0, zh = 0;
         if (item < D.gemm_items) {
           if (found_e >= 0) {
-            const int first = found_lo + found_tile * kMaxRows;
-            nvalid = min(kMaxRows, found_hi - first);
+            const int first = found_lo + found_tile * D.item_rows;
+            nvalid = min(D.item_rows, found_hi - first);
             if (lane < nvalid) {
               s_arow[lane] = first + lane;
               s_crow[lane] = first + lane;
@@ -904,8 +909,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
           }
         } else {
           // Rows past the last expert's are written as zeros.
-          zl = done + static_cast<int64_t>(item - D.gemm_items) * kMaxRows;
-          zh = min(static_cast<int64_t>(R), zl + kMaxRows);
+          zl = done + static_cast<int64_t>(item - D.gemm_items) * D.item_rows;
+          zh = min(static_cast<int64_t>(R), zl + D.item_rows);
         }
         if (lane == 0) {
           s_info[0] = found_e;
@@ -916,12 +921,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       }
     } else {
       if (warp == 0) {
-        const int64_t per = (L.T + kMaxRows - 1) / kMaxRows;
+        const int64_t per = (L.T + kItemRows - 1) / kItemRows;
         const int expert = static_cast<int>(item / per);
-        const int64_t t0 = (item - expert * per) * kMaxRows;
+        const int64_t t0 = (item - expert * per) * kItemRows;
         int64_t cnt = L.counts[expert];
         cnt = cnt < 0 ? 0 : (cnt > L.T ? L.T : cnt);
-        const int64_t t_end = min(L.T, t0 + kMaxRows);
+        const int64_t t_end = min(L.T, t0 + kItemRows);
         const int64_t hi_valid = cnt < t_end ? cnt : t_end;
         const int nvalid = hi_valid > t0 ? static_cast<int>(hi_valid - t0) : 0;
         if (lane < nvalid) {
@@ -971,10 +976,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
                                L.scale_cols;
           }
         }
+      // Token columns in tiles of 8: 1, 2 or (32-row items only) 4 of them.
       if (nvalid <= 8)
         K_::template run<1>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
-      else
+      else if (nvalid <= 16)
         K_::template run<2>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+      else if constexpr (K_::kWideItems)
+        K_::template run<4>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
     }
     zero_rows(D, zlo, zhi, n0);
     __syncthreads();  // shared memory is reused by the next item

@@ -112,10 +112,10 @@ def words_of(b):  # bytes -> little-endian uint32 words
     return [int(x) for x in b.view(np.uint32)]
 
 def simulate(c, W, A, S, Z, s2, wq, aq, TOKT, nvalid):
-    """W: weight bytes [32 rows][chunk column bytes=64]; A: activation bytes [16 tokens][kw*asz]
-    Returns acc[32 rows][16 tokens] as computed by the warp's fragments."""
+    """W: weight bytes [32 rows][chunk column bytes=64]; A: activation bytes [32 tokens][kw*asz]
+    Returns acc[32 rows][32 tokens] as computed by the warp's fragments."""
     NT = 2
-    acc = np.zeros((32, 16))
+    acc = np.zeros((32, 32))
     # per-lane data
     lanes = {}
     for lane in range(32):
@@ -226,11 +226,11 @@ def run_case(c, TOKT, nvalid, trials=2):
             W = np.where((W & 0x7f) == 0x7f, 0x11, W).astype(np.uint8)  # no NaN codes
         if c.q8:
             if c.ak == "fp8":
-                A = rng.standard_normal((16, c.kw)).astype(E4M3).view(np.uint8)
+                A = rng.standard_normal((32, c.kw)).astype(E4M3).view(np.uint8)
             else:
-                A = rng.integers(-127, 128, (16, c.kw)).astype(np.int8).view(np.uint8)
+                A = rng.integers(-127, 128, (32, c.kw)).astype(np.int8).view(np.uint8)
         else:
-            A = rng.standard_normal((16, c.kw)).astype(F16 if c.f16 else BF16).view(np.uint8).reshape(16, c.kw * 2)
+            A = rng.standard_normal((32, c.kw)).astype(F16 if c.f16 else BF16).view(np.uint8).reshape(32, c.kw * 2)
         # scales: per (i, h, lane, slot) raw; generated per (row, k-group of half chunks)
         nslot = 2 if c.dq == "f32" else 1
         raw_rs = {}
@@ -255,7 +255,7 @@ def run_case(c, TOKT, nvalid, trials=2):
         s2 = float(np.float32(rng.random() + 0.5))
         acc = simulate(c, W, A, S, Z, s2, None, None, TOKT, nvalid)
         # Reference: per row r, k in the chunk column: w'(r, k), a(tok, k)
-        ref = np.zeros((32, 16))
+        ref = np.zeros((32, 32))
         for r in range(32):
             wv = []
             for k in range(c.kw):
@@ -274,14 +274,14 @@ def run_case(c, TOKT, nvalid, trials=2):
                 if c.has_s2: v = v * np.float32(s2)
                 wv.append(u16_to_f(f_to_u16(float(v), c.f16), c.f16))
             wv = np.array(wv)
-            for tok in range(16):
+            for tok in range(32):
                 if tok >= min(nvalid, 8 * TOKT): continue
                 if c.q8:
                     av = A[tok].view(E4M3).astype(np.float64) if c.ak == "fp8" else A[tok].view(np.int8).astype(np.float64)
                 else:
                     av = A[tok].view(F16 if c.f16 else BF16).astype(np.float64)
                 ref[r, tok] = np.dot(wv, av)
-        mask = np.zeros((32, 16), bool); mask[:, :min(nvalid, 8*TOKT)] = True
+        mask = np.zeros((32, 32), bool); mask[:, :min(nvalid, 8*TOKT)] = True
         got = acc[mask]; want = ref[mask]
         err = np.max(np.abs(got - want) / (np.abs(want) + 1e-30 + np.abs(want).max() * 1e-12))
         fin = np.isfinite(want)
@@ -303,9 +303,13 @@ cases = [
 ]
 allok = True
 for c in cases:
-    for TOKT, nvalid in ((1, 1), (1, 8), (2, 11), (2, 16)):
-        ok = run_case(c, TOKT, nvalid, trials=1)
-        allok &= ok
+    # Four token tiles (items of up to 32 rows) only for quantized weights with 16-bit
+    # activations (Kern::kWideItems).
+    wide = ((4, 17), (4, 32)) if not c.q8 and c.wt != "float" else ()
+    ok = True
+    for TOKT, nvalid in ((1, 1), (1, 8), (2, 11), (2, 16)) + wide:
+        ok &= run_case(c, TOKT, nvalid, trials=1)
+    allok &= ok
     print(("ok  " if ok else "FAIL"), c.wt, c.ak, c.dq, c.st, "s2" if c.has_s2 else "", "zero" if c.zero else "")
 # Exhaustive element checks of the packed e2m1/e8m0 path and the f16 code paths.
 def contract_bf16(v32):

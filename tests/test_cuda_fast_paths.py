@@ -627,7 +627,7 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
 def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, monkeypatch, scheme, m, k, kind):
     """32 to 63 rows per expert on average (8 experts) with quantized weights and 16-bit
     activations, once the decode kernel takes them: no dequantization buffer is requested, the
-    prefill kernel declines and the decode kernel runs several 16-row items per expert; the result
+    prefill kernel declines and the decode kernel runs items of up to 32 rows; the result
     is the CPU's. (int4 with bf16 scales goes to the mixed-input prefill kernel unless
     HUMMING_JAX_PREFILL_MIXED=0.)"""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")

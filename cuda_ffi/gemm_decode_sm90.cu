@@ -119,11 +119,12 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       const int64_t R = L.R;
       if (R <= 0) return decline(L, "no rows");
       // Quantized weights with 16-bit activations may take several items per expert on average
-      // (kMaxRowsPerExpertQuantGrouped), of up to 32 rows each: every item dequantizes the
-      // expert's codes again, which beats dequantizing every expert for the prefill kernel at
-      // these sizes; wider items halve that work at 17-64 rows per expert.
+      // (kMaxRowsPerExpertQuantGrouped): every item dequantizes the expert's codes again, which
+      // still beats dequantizing every expert for the prefill kernel at these sizes. Above 16 rows
+      // per expert on average the items hold 32 rows, halving that work (below, 16-row items keep
+      // the activation stages, sized by the item, small).
       const bool codes16 = w.type != WeightType::kFloat && !p.a.quantized();
-      D.item_rows = codes16 ? kMaxRows : kItemRows;
+      D.item_rows = codes16 && R > kItemRows * E ? kMaxRows : kItemRows;
       const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert() : kItemRows;
       if (R > max_per_expert * E)
         return decline(L, "more rows per expert on average than the decode kernel takes");

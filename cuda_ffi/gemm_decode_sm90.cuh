@@ -60,7 +60,7 @@ constexpr int kWarpStageBytes = kLaneBytes * 32;        // 2 KB
 constexpr int kWStageBytes = kWarpStageBytes * kWarps;  // 16 KB of weights per CTA stage
 constexpr int kRowsPerWarp = kNT * 16;                  // weight rows per warp
 constexpr int kChunkRowBytes = 64;                      // bytes of a row one warp reads per stage
-constexpr int kStaticSmemReserve = 1024;               // bound on decode_kernel's static shared memory
+constexpr int kStaticSmemReserve = 768;                // bound on decode_kernel's static shared memory
 // The sm_90 opt-in limit per block (227 KB) covers static and dynamic shared memory together.
 constexpr int kMaxDynamicSmem = 227 * 1024 - kStaticSmemReserve;
 

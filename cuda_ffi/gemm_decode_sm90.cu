@@ -122,9 +122,12 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       // (kMaxRowsPerExpertQuantGrouped): every item dequantizes the expert's codes again, which
       // still beats dequantizing every expert for the prefill kernel at these sizes. Above 16 rows
       // per expert on average the items hold 32 rows, halving that work (below, 16-row items keep
-      // the activation stages, sized by the item, small).
+      // the activation stages, sized by the item, small). HUMMING_JAX_DECODE_ITEM_ROWS=16 keeps
+      // 16-row items (A/B timing).
       const bool codes16 = w.type != WeightType::kFloat && !p.a.quantized();
-      D.item_rows = codes16 && R > kItemRows * E ? kMaxRows : kItemRows;
+      const char* rows_env = std::getenv("HUMMING_JAX_DECODE_ITEM_ROWS");
+      const bool wide_ok = !(rows_env && std::atoi(rows_env) == kItemRows);
+      D.item_rows = codes16 && wide_ok && R > kItemRows * E ? kMaxRows : kItemRows;
       const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert() : kItemRows;
       if (R > max_per_expert * E)
         return decline(L, "more rows per expert on average than the decode kernel takes");

@@ -624,13 +624,15 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
 @pytest.mark.parametrize("scheme,m,k,kind", [("w4a16-int4-g128", 64, 4, "uniform"), ("w4a16-mxfp4", 96, 4, "tail"),
                                              ("w8a16-int8-channel", 240, 2, "zero_rows"),
                                              ("w4a16-uint4-zp-g128", 120, 4, "uniform")])
-def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, monkeypatch, scheme, m, k, kind):
+@pytest.mark.parametrize("item_rows", ["32", "16"])  # HUMMING_JAX_DECODE_ITEM_ROWS=16: 16-row items
+def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, monkeypatch, scheme, m, k, kind, item_rows):
     """32 to 63 rows per expert on average (8 experts) with quantized weights and 16-bit
     activations, once the decode kernel takes them: no dequantization buffer is requested, the
     prefill kernel declines and the decode kernel runs items of up to 32 rows; the result
     is the CPU's. (int4 with bf16 scales goes to the mixed-input prefill kernel unless
     HUMMING_JAX_PREFILL_MIXED=0.)"""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
+    monkeypatch.setenv("HUMMING_JAX_DECODE_ITEM_ROWS", item_rows)
     p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")  # no room for an expert either
     with _LaunchCount(_PREFILL_LAUNCHES) as prefill, _LaunchCount(_DECODE_LAUNCHES) as decode:
         got = _run_gemm(GPU, p)

@@ -22,6 +22,7 @@ import numpy as np
 import humming_jax as hj
 from humming_jax import experts as hj_experts
 from humming_jax.ops import routing as routing_ops
+from humming_jax.quantize import act_quant_params
 
 from sampling import SLOW_CALL_S, calls_per_sample
 
@@ -208,6 +209,17 @@ def _fixed_routing(indexed=None, grouped=None, permuted=None):
             setattr(routing_ops, n, f)
 
 
+def routing_layouts(jp: JaxPoint, gemm_type: str) -> list[tuple]:
+    """Per input set, what _fixed_routing substitutes: (indexed routing, grouped routing, permuted
+    rows). With quantized activations the grouped class permutes the codes and scales of the
+    quantized token rows, so the permutation stays inside the timed part (with the quantization,
+    as for the indexed class); with 16-bit activations the permuted rows are prepared outside."""
+    if gemm_type == "indexed":
+        return [(rt, None, None) for rt in jp.indexed_routing()]
+    quantized = act_quant_params(jp.weights.act_key) is not None
+    return [(None, rt, None if quantized else xp) for rt, xp in jp.grouped_routing()]
+
+
 def our_gemms(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
     """The class's own GEMM1 -> activation(+quant) -> GEMM2 with routing prepared outside and no
     finalize; for ``humming_jax`` the class the automatic selection picks."""
@@ -217,12 +229,9 @@ def our_gemms(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
     gemm_type = OUR_CLASSES[system]
     cls = hj.select_experts(w.weight_key, w.act_key, "silu", prefer=gemm_type, rows_per_expert=jp.m * jp.k / jp.e)
     R = jp.R
-    if cls.gemm_type == "indexed":
-        layouts = [(rt, None, None) for rt in jp.indexed_routing()]
-    elif cls.gemm_type == "grouped":
-        layouts = [(None, rt, xp) for rt, xp in jp.grouped_routing()]
-    else:
+    if cls.gemm_type not in ("indexed", "grouped"):
         raise ValueError(f"no gemms-only path for class {cls.__name__}")
+    layouts = routing_layouts(jp, cls.gemm_type)
     substituted = []
 
     def chain(w, xs, ids, layouts):

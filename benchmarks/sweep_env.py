@@ -65,10 +65,7 @@ def make_step(jp: js.JaxPoint, part: str):
         step = jax.jit(chain)
         return lambda: step(jp.weights, jp.xs, jp.tws, jp.ids)
     cls = hj.select_experts(jp.weights.weight_key, jp.weights.act_key, "silu", rows_per_expert=jp.m * jp.k / jp.e)
-    if cls.gemm_type == "indexed":
-        layouts = [(rt, None, None) for rt in jp.indexed_routing()]
-    else:
-        layouts = [(None, rt, xp) for rt, xp in jp.grouped_routing()]
+    layouts = js.routing_layouts(jp, cls.gemm_type)
 
     def chain(w, xs, ids, layouts):
         outs = []

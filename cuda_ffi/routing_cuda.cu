@@ -4,8 +4,11 @@
 //
 // One launch per call, one block per local expert: every block counts all experts into a shared
 // histogram (so each knows its own start without a scratch buffer or a second launch), then places
-// its own expert's entries with a block-wide scan. Every block also writes its share of the tail
-// past the used rows. Cost: each block reads all M*k entries twice (fine up to ~10^5 entries).
+// its own expert's entries: each warp takes one contiguous segment of the entries, counts its
+// matches with ballots, and after a prefix over the warps places them, so no block barrier sits
+// inside the loops. Every block also writes its share of the tail past the used rows. Cost: each
+// block reads all M*k entries twice (histogram with its own count, then placement), several loads
+// in flight per warp (these reads hit L2 after the first block).
 #include <cuda_runtime.h>
 
 #include "cuda_launch.cuh"
@@ -15,7 +18,8 @@ namespace hj {
 namespace {
 
 constexpr int kRouteThreads = 256;
-constexpr int kRouteItems = 4;  // consecutive entries per thread in the placement pass
+constexpr int kRouteWarps = kRouteThreads / 32;
+constexpr int kRouteUnroll = 8;  // loads in flight per thread (histogram) or 32-entry steps per warp
 constexpr int64_t kMaxHistExperts = 12 * 1024;  // 48 KB of shared histogram
 
 // Exclusive scan of v over the block; *total receives the block's sum. All threads must call it.
@@ -58,21 +62,46 @@ struct RoutingArgs {
   int32_t* src;      // src_rows
 };
 
+// Local experts of the lane's entries in 32-entry steps s0 .. s0 + U - 1 (-2 past s_hi or the
+// entries, -1 remote or invalid).
+template <int U>
+__device__ __forceinline__ void step_experts(const RoutingArgs& a, int s0, int s_hi, int lane, int (&l)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int i = (s0 + u) * 32 + lane;
+    l[u] = s0 + u < s_hi && i < a.entries ? local_expert(a.ids[i], a.map, a.num_global, a.num_local) : -2;
+  }
+}
+
 template <bool kIndexed>
-__global__ void __launch_bounds__(kRouteThreads) routing_kernel(RoutingArgs a) {
+__global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a) {
   extern __shared__ int s_hist[];  // [num_local]: counts, then exclusive starts
   __shared__ int s_warp[32];
   __shared__ int s_count;
+  __shared__ int s_wcount[kRouteWarps];
   const int e = blockIdx.x;
   const int E = a.num_local;
   const int bm = kIndexed ? a.block_m : 1;
 
+  // Warp w walks the 32-entry steps [s_lo, s_hi) (warp-uniform bounds, so every ballot sees all
+  // lanes), counting every expert into the histogram and its own expert's entries by ballot.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int steps = (a.entries + 31) / 32;
+  const int per_warp = (steps + kRouteWarps - 1) / kRouteWarps;
+  const int s_lo = min(steps, warp * per_warp), s_hi = min(steps, s_lo + per_warp);
   for (int i = threadIdx.x; i < E; i += blockDim.x) s_hist[i] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < a.entries; i += blockDim.x) {
-    const int l = local_expert(a.ids[i], a.map, a.num_global, E);
-    if (l >= 0) atomicAdd(&s_hist[l], 1);
+  int mine_count = 0;
+  for (int s0 = s_lo; s0 < s_hi; s0 += kRouteUnroll) {
+    int l[kRouteUnroll];
+    step_experts(a, s0, s_hi, lane, l);
+#pragma unroll
+    for (int u = 0; u < kRouteUnroll; ++u) {
+      if (l[u] >= 0) atomicAdd(&s_hist[l[u]], 1);
+      mine_count += __popc(__ballot_sync(0xffffffffu, l[u] == e));
+    }
   }
+  if (lane == 0) s_wcount[warp] = mine_count;
   __syncthreads();
   if (threadIdx.x == 0) s_count = s_hist[e];
 
@@ -101,34 +130,28 @@ __global__ void __launch_bounds__(kRouteThreads) routing_kernel(RoutingArgs a) {
     }
   }
 
-  // Place this expert's entries in increasing entry order.
-  const int chunk = blockDim.x * kRouteItems;
-  int placed = 0;
-  for (int c0 = 0, ci = 0; c0 < a.entries; c0 += chunk, ++ci) {
-    const int first = c0 + threadIdx.x * kRouteItems;
-    int l[kRouteItems];
-    int flags = 0;
+  // Place this expert's entries in increasing entry order: the warps before this one hold the
+  // ranks below its first (s_wcount), and within a step the matching lanes below come first. Step
+  // st's remote entries get src = -1 from block st % gridDim.x only.
+  int rank = 0;
+  for (int w = 0; w < warp; ++w) rank += s_wcount[w];
+  const unsigned below = (1u << lane) - 1u;
+  for (int s0 = s_lo; s0 < s_hi; s0 += kRouteUnroll) {
+    int l[kRouteUnroll];
+    step_experts(a, s0, s_hi, lane, l);
 #pragma unroll
-    for (int v = 0; v < kRouteItems; ++v) {
-      const int i = first + v;
-      l[v] = i < a.entries ? local_expert(a.ids[i], a.map, a.num_global, E) : -2;
-      flags += l[v] == e;
-    }
-    int in_chunk = 0;
-    int r = placed + block_exclusive_scan(flags, s_warp, &in_chunk);
-    const bool writes_skipped = (ci % gridDim.x) == blockIdx.x;
-#pragma unroll
-    for (int v = 0; v < kRouteItems; ++v) {
-      const int i = first + v;
-      if (l[v] == e) {
-        const int pos = start + r++;
+    for (int u = 0; u < kRouteUnroll; ++u) {
+      const int i = (s0 + u) * 32 + lane;
+      const unsigned m = __ballot_sync(0xffffffffu, l[u] == e);
+      if (l[u] == e) {
+        const int pos = start + rank + __popc(m & below);
         a.order[pos] = i;
         a.src[i] = kIndexed ? i : pos;
-      } else if (l[v] == -1 && writes_skipped) {
+      } else if (l[u] == -1 && (s0 + u) % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
         a.src[i] = -1;
       }
+      rank += __popc(m);
     }
-    placed += in_chunk;
   }
 
   const int sentinel = kIndexed ? a.entries : -1;

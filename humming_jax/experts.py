@@ -257,11 +257,14 @@ class GroupedExperts(_StandardExperts):
     def _experts(self, x, weights, ids, emap, activation, limit):
         k = ids.shape[1]
         routing = routing_ops.routing_grouped(ids, emap, weights.num_experts)
-        xp = routing_ops.permute_rows(x, routing, k)
         quant = act_quant_params(weights.act_key)
-        a, a_scale, agk = xp, None, 0
-        if quant is not None:
-            a, a_scale = act_ops.quantize(xp, quant[0], quant[1])
+        if quant is None:
+            a, a_scale, agk = routing_ops.permute_rows(x, routing, k), None, 0
+        else:
+            # The M token rows are quantized, then codes and scales permuted: the same rows as
+            # quantizing the M * k permuted ones (the quantization is per row), for 1/k of the work.
+            q, s = act_ops.quantize(x, quant[0], quant[1])
+            a, a_scale = routing_ops.permute_rows(q, routing, k), routing_ops.permute_rows(s, routing, k)
             agk = quant[1]
         offsets = routing.expert_first_token_offset
         gu = gemm_ops.gemm_grouped(a, a_scale, weights.w13, weights.b13, offsets, out_dtype=x.dtype, act_group_k=agk)

@@ -96,11 +96,13 @@ def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
         np.testing.assert_array_equal(g, c, err_msg=f"grouped {name}")
 
 
-@pytest.mark.parametrize("cols,dtype", [(64, jnp.bfloat16), (33, jnp.bfloat16), (7, jnp.float16)])
+@pytest.mark.parametrize("cols,dtype", [(64, jnp.bfloat16), (33, jnp.bfloat16), (7, jnp.float16),
+                                        (128, jnp.float8_e4m3fn), (5, jnp.float8_e4m3fn), (3, jnp.float32),
+                                        (16, jnp.int8)])
 def test_permute_rows_matches_cpu(rng, cols, dtype):
     m, k, e = 37, 3, 6
     ids, emap = random_routing(rng, m, k, e, e, 0.2)
-    x = jnp.asarray(rng.standard_normal((m, cols)), dtype)
+    x = jnp.asarray(rng.standard_normal((m, cols)) * 4, dtype)
 
     def f(x, ids, emap):
         return routing_ops.permute_rows(x, routing_ops.routing_grouped(ids, emap, e), k)

@@ -73,6 +73,25 @@ def test_routing_grouped_layout_and_permute(rng, m, k, e_global):
         np.testing.assert_array_equal(y[p], want)
 
 
+@pytest.mark.parametrize("quant,group_k", [("fp8", 128), ("fp8", 0), ("int8", 64)])
+def test_quantize_then_permute_equals_permute_then_quantize(rng, quant, group_k):
+    """The grouped class quantizes the M token rows and permutes codes and scales; every routed
+    row must come out as quantizing the permuted rows would give it, bit for bit."""
+    m, k, e, cols = 29, 4, 7, 256
+    ids = np.stack([rng.permutation(e + 2)[:k] for _ in range(m)]).astype(np.int32)
+    emap = np.concatenate([np.arange(e), [-1, -1]]).astype(np.int32)  # two remote experts
+    x = jnp.asarray(rng.standard_normal((m, cols)) * rng.uniform(0.01, 30, (m, 1)), jnp.bfloat16)
+    r = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(emap), e)
+    q, s = act_ops.quantize(x, quant, group_k)
+    qp, sp = routing_ops.permute_rows(q, r, k), routing_ops.permute_rows(s, r, k)
+    q_ref, s_ref = act_ops.quantize(routing_ops.permute_rows(x, r, k), quant, group_k)
+    valid = int(np.asarray(r.expert_first_token_offset)[-1])
+    assert 0 < valid < m * k  # remote experts leave rows past the valid ones
+    np.testing.assert_array_equal(np.asarray(qp[:valid]).view(np.uint8), np.asarray(q_ref[:valid]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sp[:valid]), np.asarray(s_ref[:valid]))
+    assert np.all(np.asarray(sp[:valid]) > 0)
+
+
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_activation_matches_jnp(rng, name, dtype):

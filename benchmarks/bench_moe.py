@@ -19,6 +19,9 @@ have no routing kernel, so theirs starts from rows sorted outside) and "gemms" (
 Timing: jitted with XLA command buffers for fusions and custom calls (the flags below are set
 before JAX starts and recorded); R input sets rotated inside one executable when one set's touched
 weights would fit in the 50 MB L2; median of --repeats samples (see jax_systems / torch_peers).
+--timer device (the default on a GPU) times each JAX sample by its GPU activity in a profiler trace,
+as the torch peers' CUDA events time their graph replays; the wall-clock medians and the host-wait
+gaps left out are kept in each row (wall_median_ms, gap_median_ms).
 Units: TB/s over touched expert bytes (weights + scales) for M <= 128, TFLOP/s for M >= 1024.
 
 Output: JSON in BENCH.md's result format (--out; default benchmarks/results/h200/
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(by default: humming_jax layer+gemms, classes layer, batched gemms, ragged_dot layer, "
                         "torch layer+gemms, humming-kernels gemms)")
     p.add_argument("--repeats", type=int, default=20, help="timed samples per measurement (BENCH.md: >= 20)")
+    p.add_argument("--timer", choices=("auto", "device", "wall"), default="auto",
+                   help="JAX systems' samples: GPU time from a profiler trace, or wall clock (auto: device on a GPU)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls after the compiling one")
     p.add_argument("--sets", type=int, default=0, help="input sets rotated per executable (0: from the L2 rule)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="stop starting new points after this many seconds (0: none)")
@@ -191,6 +196,9 @@ def make_row(system, fmt, shape, m, part, routing, nbytes, flops, res=None, erro
         n = len(s)
         row.update(median_ms=report.median(s), p10_ms=s[int(0.1 * (n - 1))], p90_ms=s[int(0.9 * (n - 1))],
                    min_ms=s[0], samples=n, calls_per_sample=res.get("calls_per_sample"), mode=res.get("mode"))
+        for key in ("wall", "gap"):
+            if res.get(f"{key}_samples_ms"):
+                row[f"{key}_median_ms"] = report.median(sorted(res[f"{key}_samples_ms"]))
         if res.get("compile_s") is not None:
             row["compile_s"] = round(res["compile_s"], 3)
         if res.get("note"):
@@ -230,6 +238,9 @@ def main(argv=None) -> int:
 
     dev = jax.devices()[0]
     on_gpu = dev.platform in ("gpu", "cuda")
+    if args.timer == "auto":
+        args.timer = "device" if on_gpu else "wall"
+    js.TIMER = args.timer
     torch_ok, torch_reason = tpz.status() if any(s in args.system_list for s in TORCH_SYSTEMS) else (False, "not selected")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     if args.out is None:
@@ -252,7 +263,9 @@ def main(argv=None) -> int:
         "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
         "method": {
             "timing": ("JAX systems: one jitted executable runs the layer on each of R input sets (out donated and "
-                       "threaded through); a sample = S back-to-back calls, wall time / (S*R) after block_until_ready. "
+                       "threaded through); a sample = S back-to-back calls, wall time / (S*R) after block_until_ready "
+                       "(timer 'wall'), or with timer 'device' the GPU's kernel activity in a profiler trace of the "
+                       "sample / (S*R), gaps over 10 us (the GPU waiting for the host) left out and reported as gap_median_ms. "
                        "torch peers: the same R-set pass captured in a CUDA graph, S replays between CUDA events. "
                        "median over `samples`."),
             "sets_rule": f"R = min({ms.MAX_SETS}, ceil(4 * {ms.L2_BYTES:.0e} B / touched bytes of one set))",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 from typing import Any, Callable, Iterable
 
 import jax
@@ -100,3 +101,55 @@ def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: flo
         raise RuntimeError(f"the trace's GPU plane holds no kernel events (lines: {lines})")
     busy = busy_time_ns(((s, e) for _, s, e in events), max_gap_us * 1e3)
     return {"ms": busy / calls / 1e6, "kernels": len(events), "lines": lines}
+
+
+def split_samples(intervals: Iterable[tuple[float, float]], samples: int, min_sep_ns: float) -> list[list[tuple[float, float]]] | None:
+    """The intervals cut into ``samples`` consecutive groups at the gaps of at least ``min_sep_ns``
+    (the pauses put between samples); None when the gaps do not give exactly that many groups."""
+    spans = sorted((s, e) for s, e in intervals if e >= s)
+    if not spans:
+        return None
+    groups, end = [[spans[0]]], spans[0][1]
+    for s, e in spans[1:]:
+        if s - end >= min_sep_ns:
+            groups.append([])
+        groups[-1].append((s, e))
+        end = max(end, e)
+    return groups if len(groups) == samples else None
+
+
+SAMPLE_PAUSE_S = 0.005  # the GPU idles this long between traced samples, so they can be told apart
+
+
+def traced_samples(run_sample: Callable[[], Any], samples: int, runs_per_sample: int, *,
+                   max_gap_us: float = 10.0, trace_dir: str | None = None) -> dict | None:
+    """Traces ``samples`` calls of ``run_sample`` (each synchronized, then a pause) and returns per
+    sample, in ms per run: the device time (busy_time_ns of its kernels: gaps up to ``max_gap_us``
+    counted, longer ones dropped), the gaps dropped, and the wall time. None when the trace has no
+    GPU plane. ``run_sample`` must return what to block on."""
+    walls: list[float] = []
+
+    def burst():
+        out = None
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(run_sample())
+            walls.append(time.perf_counter() - t0)
+            time.sleep(SAMPLE_PAUSE_S)
+        return out
+
+    found = trace_calls(burst, 1, trace_dir)
+    if found is None:
+        return None
+    events, lines = found
+    groups = split_samples(((s, e) for _, s, e in events), samples, SAMPLE_PAUSE_S * 1e9 / 2)
+    if groups is None:
+        raise RuntimeError(f"the trace's kernels did not fall into {samples} samples at the pauses "
+                           f"({len(events)} kernel events on {lines})")
+    busy = [busy_time_ns(g, max_gap_us * 1e3) for g in groups]
+    span = [max(e for _, e in g) - g[0][0] for g in groups]
+    per = runs_per_sample * 1e6
+    return {"samples_ms": [b / per for b in busy],
+            "gap_ms": [(s - b) / per for s, b in zip(span, busy)],
+            "wall_ms": [w * 1e3 / runs_per_sample for w in walls],
+            "lines": lines}

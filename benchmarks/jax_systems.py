@@ -24,13 +24,23 @@ from humming_jax import experts as hj_experts
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import act_quant_params
 
+from device_timer import traced_samples
 from sampling import SLOW_CALL_S, calls_per_sample
 
 PROBE_CALLS = 8  # calls of the burst that measures one call
 
 
-def time_jax(call: Callable[[Any], Any], carry: Any, *, repeats: int, warmup: int, chain: int) -> dict:
-    """Runs ``carry = call(carry)`` (first call compiles) and returns timing stats per layer run."""
+TIMER = "wall"  # "device": the samples are GPU time read from a profiler trace (set by bench_moe --timer)
+
+
+def time_jax(call: Callable[[Any], Any], carry: Any, *, repeats: int, warmup: int, chain: int,
+             timer: str | None = None) -> dict:
+    """Runs ``carry = call(carry)`` (first call compiles) and returns timing stats per layer run.
+
+    ``timer`` (default: the module's TIMER) "wall" times each sample by the host clock; "device"
+    traces the samples and takes each one's GPU time (device_timer.traced_samples), keeping the
+    wall times and the dropped host-wait gaps beside it."""
+    timer = timer or TIMER
     t0 = time.perf_counter()
     carry = call(carry)
     jax.block_until_ready(carry)
@@ -52,6 +62,26 @@ def time_jax(call: Callable[[Any], Any], carry: Any, *, repeats: int, warmup: in
         jax.block_until_ready(carry)
         one = (time.perf_counter() - t0) / PROBE_CALLS
     calls = calls_per_sample(one)
+    if timer == "device":
+        state = {"carry": carry}
+
+        def run_sample():
+            for _ in range(calls):
+                state["carry"] = call(state["carry"])
+            return state["carry"]
+
+        traced = traced_samples(run_sample, repeats, calls * chain)
+        if traced is None:
+            raise RuntimeError("timer 'device': the profiler trace has no GPU plane on this backend")
+        return {
+            "samples_ms": traced["samples_ms"],
+            "wall_samples_ms": traced["wall_ms"],
+            "gap_samples_ms": traced["gap_ms"],
+            "calls_per_sample": calls,
+            "compile_s": compile_s,
+            "mode": "jax_jit_device",
+            "carry": state["carry"],
+        }
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -2,13 +2,17 @@
 // of the grouped format. Semantics mirror routing_cpu.cc; entries are placed in increasing
 // token*k+j order within each expert, as on the CPU, so the metadata is deterministic.
 //
-// One launch per call, one block per local expert: every block counts all experts into a shared
-// histogram (so each knows its own start without a scratch buffer or a second launch), then places
-// its own expert's entries: each warp takes one contiguous segment of the entries, counts its
-// matches with ballots, and after a prefix over the warps places them, so no block barrier sits
-// inside the loops. Every block also writes its share of the tail past the used rows. Cost: each
-// block reads all M*k entries twice (histogram with its own count, then placement), several loads
-// in flight per warp (these reads hit L2 after the first block).
+// One launch per call, one block per local expert. Each warp of a block takes one contiguous
+// segment of the entries and counts its own expert's matches with ballots; after a prefix over the
+// warps it places them in entry order, so no block barrier sits inside the loops. The expert's
+// start differs by layout:
+// - grouped (no padding): the entries of lower local experts, counted by ballot in the same pass;
+//   no histogram and no atomics.
+// - indexed (each expert padded to block_m rows): every block counts all experts into a shared
+//   histogram and scans it, as the start needs each lower expert's padded count.
+// Every block also writes its share of the tail past the used rows. Cost: each block reads all M*k
+// entries twice (counting, then placement), several loads in flight per warp (these reads hit L2
+// after the first block).
 #include <cuda_runtime.h>
 
 #include "cuda_launch.cuh"
@@ -17,7 +21,7 @@
 namespace hj {
 namespace {
 
-constexpr int kRouteThreads = 256;
+constexpr int kRouteThreads = 512;
 constexpr int kRouteWarps = kRouteThreads / 32;
 constexpr int kRouteUnroll = 8;  // loads in flight per thread (histogram) or 32-entry steps per warp
 constexpr int64_t kMaxHistExperts = 12 * 1024;  // 48 KB of shared histogram
@@ -75,59 +79,73 @@ __device__ __forceinline__ void step_experts(const RoutingArgs& a, int s0, int s
 
 template <bool kIndexed>
 __global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a) {
-  extern __shared__ int s_hist[];  // [num_local]: counts, then exclusive starts
+  extern __shared__ int s_hist[];  // indexed: [num_local] counts, then exclusive starts
   __shared__ int s_warp[32];
+  __shared__ int s_wcount[kRouteWarps], s_wbelow[kRouteWarps], s_wvalid[kRouteWarps];
   __shared__ int s_count;
-  __shared__ int s_wcount[kRouteWarps];
   const int e = blockIdx.x;
   const int E = a.num_local;
   const int bm = kIndexed ? a.block_m : 1;
 
   // Warp w walks the 32-entry steps [s_lo, s_hi) (warp-uniform bounds, so every ballot sees all
-  // lanes), counting every expert into the histogram and its own expert's entries by ballot.
+  // lanes), counting its own expert's entries by ballot, and either every expert into the
+  // histogram (indexed) or the entries of lower experts and all local entries (grouped).
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int steps = (a.entries + 31) / 32;
   const int per_warp = (steps + kRouteWarps - 1) / kRouteWarps;
   const int s_lo = min(steps, warp * per_warp), s_hi = min(steps, s_lo + per_warp);
-  for (int i = threadIdx.x; i < E; i += blockDim.x) s_hist[i] = 0;
-  __syncthreads();
-  int mine_count = 0;
+  if (kIndexed) {
+    for (int i = threadIdx.x; i < E; i += blockDim.x) s_hist[i] = 0;
+    __syncthreads();
+  }
+  int mine_count = 0, below_count = 0, valid_count = 0;
   for (int s0 = s_lo; s0 < s_hi; s0 += kRouteUnroll) {
     int l[kRouteUnroll];
     step_experts(a, s0, s_hi, lane, l);
 #pragma unroll
     for (int u = 0; u < kRouteUnroll; ++u) {
-      if (l[u] >= 0) atomicAdd(&s_hist[l[u]], 1);
+      if constexpr (kIndexed) {
+        if (l[u] >= 0) atomicAdd(&s_hist[l[u]], 1);
+      } else {
+        below_count += __popc(__ballot_sync(0xffffffffu, l[u] >= 0 && l[u] < e));
+        valid_count += __popc(__ballot_sync(0xffffffffu, l[u] >= 0));
+      }
       mine_count += __popc(__ballot_sync(0xffffffffu, l[u] == e));
     }
   }
-  if (lane == 0) s_wcount[warp] = mine_count;
-  __syncthreads();
-  if (threadIdx.x == 0) s_count = s_hist[e];
-
-  // Exclusive starts of every expert's (padded) range, each thread owning a contiguous slice.
-  const int per = (E + blockDim.x - 1) / blockDim.x;
-  const int lo = min(E, static_cast<int>(threadIdx.x) * per), hi = min(E, lo + per);
-  int mine = 0;
-  for (int i = lo; i < hi; ++i) mine += (s_hist[i] + bm - 1) / bm * bm;
-  int total = 0;
-  int run = block_exclusive_scan(mine, s_warp, &total);
-  for (int i = lo; i < hi; ++i) {
-    const int c = s_hist[i];
-    s_hist[i] = run;
-    run += (c + bm - 1) / bm * bm;
+  if (lane == 0) {
+    s_wcount[warp] = mine_count;
+    s_wbelow[warp] = below_count;
+    s_wvalid[warp] = valid_count;
   }
   __syncthreads();
-  const int start = s_hist[e];
-  const int count = s_count;
 
-  if (blockIdx.x == 0) {
-    if (kIndexed) {
-      if (threadIdx.x == 0) *a.ntpp = total;
-    } else {
-      for (int i = threadIdx.x; i < E; i += blockDim.x) a.offsets[i] = s_hist[i];
-      if (threadIdx.x == 0) a.offsets[E] = total;
+  int start = 0, count = 0, total = 0;
+  if constexpr (kIndexed) {
+    if (threadIdx.x == 0) s_count = s_hist[e];
+    // Exclusive starts of every expert's padded range, each thread owning a contiguous slice.
+    const int per = (E + blockDim.x - 1) / blockDim.x;
+    const int lo = min(E, static_cast<int>(threadIdx.x) * per), hi = min(E, lo + per);
+    int mine = 0;
+    for (int i = lo; i < hi; ++i) mine += (s_hist[i] + bm - 1) / bm * bm;
+    int run = block_exclusive_scan(mine, s_warp, &total);
+    for (int i = lo; i < hi; ++i) {
+      const int c = s_hist[i];
+      s_hist[i] = run;
+      run += (c + bm - 1) / bm * bm;
     }
+    __syncthreads();
+    start = s_hist[e];
+    count = s_count;
+    if (blockIdx.x == 0 && threadIdx.x == 0) *a.ntpp = total;
+  } else {
+    for (int w = 0; w < kRouteWarps; ++w) {
+      start += s_wbelow[w];
+      count += s_wcount[w];
+      total += s_wvalid[w];
+    }
+    if (threadIdx.x == 0) a.offsets[e] = start;
+    if (blockIdx.x == 0 && threadIdx.x == 0) a.offsets[E] = total;
   }
 
   // Place this expert's entries in increasing entry order: the warps before this one hold the
@@ -180,10 +198,10 @@ RoutingArgs routing_inputs(const RoutingShape& s, const AnyBuffer& topk_ids, con
 
 Error launch_routing(const std::string& call, cudaStream_t stream, const RoutingShape& s, bool indexed,
                      RoutingArgs args) {
-  if (s.num_local > kMaxHistExperts)
+  if (indexed && s.num_local > kMaxHistExperts)
     return invalid(call, "at most " + std::to_string(kMaxHistExperts) + " local experts are supported");
   if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");
-  const size_t smem = static_cast<size_t>(s.num_local) * sizeof(int);
+  const size_t smem = indexed ? static_cast<size_t>(s.num_local) * sizeof(int) : 0;  // the histogram
   const dim3 grid(static_cast<unsigned>(s.num_local));
   if (indexed)
     routing_kernel<true><<<grid, kRouteThreads, smem, stream>>>(args);

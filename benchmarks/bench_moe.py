@@ -199,6 +199,8 @@ def make_row(system, fmt, shape, m, part, routing, nbytes, flops, res=None, erro
         for key in ("wall", "gap"):
             if res.get(f"{key}_samples_ms"):
                 row[f"{key}_median_ms"] = report.median(sorted(res[f"{key}_samples_ms"]))
+        if res.get("device_split"):
+            row["device_split"] = res["device_split"]
         if res.get("compile_s") is not None:
             row["compile_s"] = round(res["compile_s"], 3)
         if res.get("note"):

@@ -45,13 +45,23 @@ def busy_time_ns(intervals: Iterable[tuple[float, float]], max_gap_ns: float) ->
     return total + (cur_e - cur_s)
 
 
-def device_events(xspace_path: str) -> tuple[list[tuple[str, float, float]], list[str]] | None:
+SAMPLE_MARK = "hj_timed_sample_"  # host annotation around each traced sample
+
+
+def device_events(xspace_path: str, marks: list | None = None) -> tuple[list[tuple[str, float, float]], list[str]] | None:
     """Kernel events (name, start ns, end ns) on the trace's GPU planes and the names of the lines
     they came from; None when the trace has no GPU plane (CPU backend). Stream lines are
-    preferred; without any, every line but the derived ones is taken."""
+    preferred; without any, every line but the derived ones is taken. ``marks``, when given,
+    receives the host annotations named SAMPLE_MARK<i> as (i, start ns, end ns)."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(xspace_path)
+    if marks is not None:
+        for plane in data.planes:
+            if plane.name.lower().startswith("/host"):
+                for ln in plane.lines:
+                    marks.extend((int(ev.name[len(SAMPLE_MARK):]), ev.start_ns, ev.start_ns + ev.duration_ns)
+                                 for ev in ln.events if ev.name.startswith(SAMPLE_MARK))
     planes = [p for p in data.planes if "/device:gpu" in p.name.lower()]
     if not planes:
         return None
@@ -65,7 +75,7 @@ def device_events(xspace_path: str) -> tuple[list[tuple[str, float, float]], lis
     return events, used
 
 
-def trace_calls(call: Callable[[], Any], calls: int, trace_dir: str | None = None):
+def trace_calls(call: Callable[[], Any], calls: int, trace_dir: str | None = None, marks: list | None = None):
     """device_events of a profiler trace of ``calls`` calls (None without a GPU plane)."""
     with tempfile.TemporaryDirectory(dir=trace_dir) as d:
         with jax.profiler.trace(d):
@@ -76,7 +86,7 @@ def trace_calls(call: Callable[[], Any], calls: int, trace_dir: str | None = Non
         files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if not files:
             raise RuntimeError(f"the profiler wrote no trace under {d}")
-        return device_events(files[0])
+        return device_events(files[0], marks)
 
 
 def kernel_table(events: Iterable[tuple[str, float, float]], calls: int) -> list[tuple[str, float, float]]:
@@ -118,6 +128,25 @@ def split_samples(intervals: Iterable[tuple[float, float]], samples: int, min_se
     return groups if len(groups) == samples else None
 
 
+def assign_to_marks(intervals: Iterable[tuple[float, float]], marks: list[tuple[int, float, float]],
+                    samples: int) -> list[list[tuple[float, float]]] | None:
+    """The intervals grouped by the host annotation (sample index, start, end) holding their
+    midpoint: a sample's kernels run between its first launch and its synchronization, both inside
+    its annotation. None unless there is one mark per sample, each holding at least one interval,
+    and every interval falls in one (the host and device clocks then agree)."""
+    if sorted(i for i, _, _ in marks) != list(range(samples)):
+        return None
+    order = sorted(marks, key=lambda m: m[1])
+    groups: list[list[tuple[float, float]]] = [[] for _ in range(samples)]
+    for s, e in sorted((s, e) for s, e in intervals if e >= s):
+        mid = 0.5 * (s + e)
+        hit = next((i for i, a, b in order if a <= mid <= b), None)
+        if hit is None:
+            return None
+        groups[hit].append((s, e))
+    return groups if all(groups) else None
+
+
 SAMPLE_PAUSE_S = 0.005  # the GPU idles this long between traced samples, so they can be told apart
 
 
@@ -126,30 +155,42 @@ def traced_samples(run_sample: Callable[[], Any], samples: int, runs_per_sample:
     """Traces ``samples`` calls of ``run_sample`` (each synchronized, then a pause) and returns per
     sample, in ms per run: the device time (busy_time_ns of its kernels: gaps up to ``max_gap_us``
     counted, longer ones dropped), the gaps dropped, and the wall time. None when the trace has no
-    GPU plane. ``run_sample`` must return what to block on."""
+    GPU plane. ``run_sample`` must return what to block on.
+
+    A sample's kernels are those inside its host annotation (assign_to_marks); where the trace's
+    host and device clocks do not line up, those between its pauses (split_samples)."""
     walls: list[float] = []
 
     def burst():
         out = None
-        for _ in range(samples):
+        for i in range(samples):
             t0 = time.perf_counter()
-            out = jax.block_until_ready(run_sample())
+            with jax.profiler.TraceAnnotation(f"{SAMPLE_MARK}{i}"):
+                out = jax.block_until_ready(run_sample())
             walls.append(time.perf_counter() - t0)
             time.sleep(SAMPLE_PAUSE_S)
         return out
 
-    found = trace_calls(burst, 1, trace_dir)
+    marks: list[tuple[int, float, float]] = []
+    found = trace_calls(burst, 1, trace_dir, marks)
     if found is None:
         return None
     events, lines = found
-    groups = split_samples(((s, e) for _, s, e in events), samples, SAMPLE_PAUSE_S * 1e9 / 2)
+    intervals = [(s, e) for _, s, e in events]
+    groups, how = assign_to_marks(intervals, marks, samples), "annotations"
     if groups is None:
-        raise RuntimeError(f"the trace's kernels did not fall into {samples} samples at the pauses "
-                           f"({len(events)} kernel events on {lines})")
+        groups, how = split_samples(intervals, samples, SAMPLE_PAUSE_S * 1e9 / 2), "pauses"
+    if groups is None:
+        spans = sorted(intervals)
+        gaps = sorted((b[0] - a[1] for a, b in zip(spans, spans[1:])), reverse=True)[: samples + 2]
+        raise RuntimeError(f"the trace's kernels fall into {samples} samples neither by the host annotations "
+                           f"({len(marks)} found) nor at the pauses ({len(events)} kernel events on {lines}; "
+                           f"largest gaps {[round(g / 1e6, 3) for g in gaps]} ms)")
     busy = [busy_time_ns(g, max_gap_us * 1e3) for g in groups]
     span = [max(e for _, e in g) - g[0][0] for g in groups]
     per = runs_per_sample * 1e6
     return {"samples_ms": [b / per for b in busy],
             "gap_ms": [(s - b) / per for s, b in zip(span, busy)],
             "wall_ms": [w * 1e3 / runs_per_sample for w in walls],
+            "split": how,
             "lines": lines}

@@ -77,6 +77,7 @@ def time_jax(call: Callable[[Any], Any], carry: Any, *, repeats: int, warmup: in
             "samples_ms": traced["samples_ms"],
             "wall_samples_ms": traced["wall_ms"],
             "gap_samples_ms": traced["gap_ms"],
+            "device_split": traced["split"],
             "calls_per_sample": calls,
             "compile_s": compile_s,
             "mode": "jax_jit_device",

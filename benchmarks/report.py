@@ -293,8 +293,10 @@ def summary_text(data: dict) -> str:
         pts = ", ".join(f"{SHORT[r['system']]} {r['shape']}/{r['format']}/M={r['M']}" for r in eager[:4])
         lines.append(f"timed eagerly, not as graph replays ({len(eager)} rows: {pts}{' ...' if len(eager) > 4 else ''}): {note[:200]}")
     c = data.get("ceilings") or {}
-    if c:
+    if c.get("copy_tbps") is not None and c.get("bf16_tflops") is not None:
         lines.append(f"ceilings: copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_tflops']:.1f} TFLOP/s")
+    elif c:
+        lines.append(f"ceilings not measured: {c.get('error', 'no figures')}")
     return "\n".join(lines)
 
 

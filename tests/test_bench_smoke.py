@@ -222,3 +222,29 @@ def test_device_timer_mode_refuses_a_backend_without_a_gpu_timeline():
     f = jax.jit(lambda c: c * 1.5 + 1.0)
     with pytest.raises(RuntimeError, match="no GPU plane"):
         js.time_jax(f, jax.numpy.ones((8,)), repeats=3, warmup=1, chain=1, timer="device")
+
+
+def test_assign_to_marks_groups_by_annotation_and_refuses_a_misaligned_clock():
+    from device_timer import assign_to_marks
+
+    rng = np.random.default_rng()
+    n = int(rng.integers(3, 8))
+    marks, groups, t = [], [], 0.0
+    for i in range(n):
+        a = t
+        g, u = [], a + float(rng.uniform(1e3, 2e4))  # the first launch comes after the mark opens
+        for _ in range(int(rng.integers(1, 10))):
+            g.append((u, u + float(rng.uniform(100, 3e4))))
+            u = g[-1][1] + float(rng.uniform(0, 4e6))  # any gap inside a sample, even a long one
+        b = u + float(rng.uniform(1e3, 1e4))  # synchronized before the mark closes
+        marks.append((i, a, b))
+        groups.append(g)
+        t = b + 5e6
+    flat = [iv for g in groups for iv in g]
+    rng.shuffle(flat)
+    rng.shuffle(marks)
+    got = assign_to_marks(flat, marks, n)
+    assert got is not None and got == [sorted(g) for g in groups]
+    assert assign_to_marks(flat, marks[1:], n) is None  # a mark missing
+    shifted = [(i, a + 1e9, b + 1e9) for i, a, b in marks]  # host and device clocks apart
+    assert assign_to_marks(flat, shifted, n) is None

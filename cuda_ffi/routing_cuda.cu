@@ -3,15 +3,16 @@
 // token*k+j order within each expert, as on the CPU, so the metadata is deterministic.
 //
 // One launch per call, one block per local expert. Each warp of a block takes one contiguous
-// segment of the entries and counts its own expert's matches with ballots; after a prefix over the
-// warps it places them in entry order, so no block barrier sits inside the loops. The expert's
-// start differs by layout:
-// - grouped (no padding): the entries of lower local experts, counted by ballot in the same pass;
-//   no histogram and no atomics.
+// segment of the entries, four consecutive entries per lane (one 16-byte load), and counts its
+// own expert's matches; after a prefix over the warps it places them in entry order by ballots,
+// so no block barrier sits inside the loops. The expert map is staged in shared memory when it
+// is small, so an entry costs no dependent global load. The expert's start differs by layout:
+// - grouped (no padding): the entries of lower local experts, counted in the same pass; no
+//   histogram and no atomics.
 // - indexed (each expert padded to block_m rows): every block counts all experts into a shared
 //   histogram and scans it, as the start needs each lower expert's padded count.
 // Every block also writes its share of the tail past the used rows. Cost: each block reads all M*k
-// entries twice (counting, then placement), several loads in flight per warp (these reads hit L2
+// entries twice (counting, then placement), 16 entries per lane in flight (these reads hit L2
 // after the first block).
 #include <cuda_runtime.h>
 
@@ -23,8 +24,9 @@ namespace {
 
 constexpr int kRouteThreads = 512;
 constexpr int kRouteWarps = kRouteThreads / 32;
-constexpr int kRouteUnroll = 8;  // loads in flight per thread (histogram) or 32-entry steps per warp
+constexpr int kRouteUnroll = 4;  // 128-entry steps in flight per warp (16 entries per lane)
 constexpr int64_t kMaxHistExperts = 12 * 1024;  // 48 KB of shared histogram
+constexpr int64_t kMaxSharedMap = 8 * 1024;     // expert maps up to 32 KB are staged in shared memory
 
 // Exclusive scan of v over the block; *total receives the block's sum. All threads must call it.
 __device__ int block_exclusive_scan(int v, int* s_warp, int* total) {
@@ -66,53 +68,83 @@ struct RoutingArgs {
   int32_t* src;      // src_rows
 };
 
-// Local experts of the lane's entries in 32-entry steps s0 .. s0 + U - 1 (-2 past s_hi or the
-// entries, -1 remote or invalid).
+// Local experts of the lane's four entries in each 128-entry step s0 .. s0 + U - 1 (entry
+// step * 128 + lane * 4 + j; -2 past s_hi or the entries, -1 remote or invalid). map is the
+// staged or the global expert map.
 template <int U>
-__device__ __forceinline__ void step_experts(const RoutingArgs& a, int s0, int s_hi, int lane, int (&l)[U]) {
+__device__ __forceinline__ void step_experts(const RoutingArgs& a, const int32_t* map, bool vec, int s0, int s_hi,
+                                             int lane, int (&l)[U][4]) {
+  int id[U][4];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int i = (s0 + u) * 32 + lane;
-    l[u] = s0 + u < s_hi && i < a.entries ? local_expert(a.ids[i], a.map, a.num_global, a.num_local) : -2;
+    const int i = (s0 + u) * 128 + lane * 4;
+    if (s0 + u < s_hi && vec && i + 3 < a.entries) {
+      const int4 v = __ldg(reinterpret_cast<const int4*>(a.ids + i));
+      id[u][0] = v.x, id[u][1] = v.y, id[u][2] = v.z, id[u][3] = v.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) id[u][j] = s0 + u < s_hi && i + j < a.entries ? __ldg(a.ids + i + j) : INT32_MIN;
+    }
   }
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      l[u][j] = id[u][j] == INT32_MIN ? -2 : local_expert(id[u][j], map, a.num_global, a.num_local);
+}
+
+__device__ __forceinline__ int warp_sum(int v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 template <bool kIndexed>
-__global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a) {
-  extern __shared__ int s_hist[];  // indexed: [num_local] counts, then exclusive starts
+__global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a, bool shared_map) {
+  extern __shared__ int s_dyn[];  // [num_global] staged map (if shared_map), then (indexed) [num_local] histogram
   __shared__ int s_warp[32];
   __shared__ int s_wcount[kRouteWarps], s_wbelow[kRouteWarps], s_wvalid[kRouteWarps];
   __shared__ int s_count;
   const int e = blockIdx.x;
   const int E = a.num_local;
   const int bm = kIndexed ? a.block_m : 1;
+  int* s_hist = s_dyn + (shared_map ? a.num_global : 0);
+  const int32_t* map = shared_map ? s_dyn : a.map;
+  const bool vec = (reinterpret_cast<uintptr_t>(a.ids) & 15) == 0;
 
-  // Warp w walks the 32-entry steps [s_lo, s_hi) (warp-uniform bounds, so every ballot sees all
-  // lanes), counting its own expert's entries by ballot, and either every expert into the
-  // histogram (indexed) or the entries of lower experts and all local entries (grouped).
+  // Warp w walks the 128-entry steps [s_lo, s_hi) (warp-uniform bounds, so every ballot sees all
+  // lanes), counting its own expert's entries, and either every expert into the histogram
+  // (indexed) or the entries of lower experts and all local entries (grouped).
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int steps = (a.entries + 31) / 32;
+  const int steps = (a.entries + 127) / 128;
   const int per_warp = (steps + kRouteWarps - 1) / kRouteWarps;
   const int s_lo = min(steps, warp * per_warp), s_hi = min(steps, s_lo + per_warp);
-  if (kIndexed) {
+  if (shared_map)
+    for (int i = threadIdx.x; i < a.num_global; i += blockDim.x) s_dyn[i] = a.map[i];
+  if (kIndexed)
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_hist[i] = 0;
-    __syncthreads();
-  }
+  __syncthreads();
   int mine_count = 0, below_count = 0, valid_count = 0;
   for (int s0 = s_lo; s0 < s_hi; s0 += kRouteUnroll) {
-    int l[kRouteUnroll];
-    step_experts(a, s0, s_hi, lane, l);
+    int l[kRouteUnroll][4];
+    step_experts(a, map, vec, s0, s_hi, lane, l);
 #pragma unroll
-    for (int u = 0; u < kRouteUnroll; ++u) {
-      if constexpr (kIndexed) {
-        if (l[u] >= 0) atomicAdd(&s_hist[l[u]], 1);
-      } else {
-        below_count += __popc(__ballot_sync(0xffffffffu, l[u] >= 0 && l[u] < e));
-        valid_count += __popc(__ballot_sync(0xffffffffu, l[u] >= 0));
+    for (int u = 0; u < kRouteUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int x = l[u][j];
+        if constexpr (kIndexed) {
+          if (x >= 0) atomicAdd(&s_hist[x], 1);
+        } else {
+          below_count += x >= 0 && x < e;
+          valid_count += x >= 0;
+        }
+        mine_count += x == e;
       }
-      mine_count += __popc(__ballot_sync(0xffffffffu, l[u] == e));
-    }
   }
+  mine_count = warp_sum(mine_count);
+  below_count = warp_sum(below_count);
+  valid_count = warp_sum(valid_count);
   if (lane == 0) {
     s_wcount[warp] = mine_count;
     s_wbelow[warp] = below_count;
@@ -149,26 +181,38 @@ __global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a
   }
 
   // Place this expert's entries in increasing entry order: the warps before this one hold the
-  // ranks below its first (s_wcount), and within a step the matching lanes below come first. Step
-  // st's remote entries get src = -1 from block st % gridDim.x only.
+  // ranks below its first (s_wcount); within a step, entry (lane, j) follows the matches of the
+  // lanes below (all four of theirs) and its own lane's earlier ones. Step st's remote entries
+  // get src = -1 from block st % gridDim.x only.
   int rank = 0;
   for (int w = 0; w < warp; ++w) rank += s_wcount[w];
   const unsigned below = (1u << lane) - 1u;
   for (int s0 = s_lo; s0 < s_hi; s0 += kRouteUnroll) {
-    int l[kRouteUnroll];
-    step_experts(a, s0, s_hi, lane, l);
+    int l[kRouteUnroll][4];
+    step_experts(a, map, vec, s0, s_hi, lane, l);
 #pragma unroll
     for (int u = 0; u < kRouteUnroll; ++u) {
-      const int i = (s0 + u) * 32 + lane;
-      const unsigned m = __ballot_sync(0xffffffffu, l[u] == e);
-      if (l[u] == e) {
-        const int pos = start + rank + __popc(m & below);
-        a.order[pos] = i;
-        a.src[i] = kIndexed ? i : pos;
-      } else if (l[u] == -1 && (s0 + u) % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
-        a.src[i] = -1;
+      unsigned m[4];
+      int before = 0, step_total = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        m[j] = __ballot_sync(0xffffffffu, l[u][j] == e);
+        before += __popc(m[j] & below);
+        step_total += __popc(m[j]);
       }
-      rank += __popc(m);
+      const bool remote_writer = (s0 + u) % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = (s0 + u) * 128 + lane * 4 + j;
+        if (l[u][j] == e) {
+          const int pos = start + rank + before++;
+          a.order[pos] = i;
+          a.src[i] = kIndexed ? i : pos;
+        } else if (l[u][j] == -1 && remote_writer) {
+          a.src[i] = -1;
+        }
+      }
+      rank += step_total;
     }
   }
 
@@ -201,12 +245,20 @@ Error launch_routing(const std::string& call, cudaStream_t stream, const Routing
   if (indexed && s.num_local > kMaxHistExperts)
     return invalid(call, "at most " + std::to_string(kMaxHistExperts) + " local experts are supported");
   if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");
-  const size_t smem = indexed ? static_cast<size_t>(s.num_local) * sizeof(int) : 0;  // the histogram
+  const bool shared_map = s.num_global <= kMaxSharedMap;
+  const size_t smem = ((shared_map ? s.num_global : 0) + (indexed ? s.num_local : 0)) * sizeof(int);
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(indexed ? routing_kernel<true> : routing_kernel<false>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess)
+      return Error::Internal("humming_jax." + call + ": routing_kernel cannot have " + std::to_string(smem) +
+                             " bytes of shared memory: " + cudaGetErrorString(e));
+  }
   const dim3 grid(static_cast<unsigned>(s.num_local));
   if (indexed)
-    routing_kernel<true><<<grid, kRouteThreads, smem, stream>>>(args);
+    routing_kernel<true><<<grid, kRouteThreads, smem, stream>>>(args, shared_map);
   else
-    routing_kernel<false><<<grid, kRouteThreads, smem, stream>>>(args);
+    routing_kernel<false><<<grid, kRouteThreads, smem, stream>>>(args, shared_map);
   return launch_status(call, "routing_kernel");
 }
 

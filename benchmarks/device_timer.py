@@ -178,6 +178,12 @@ def traced_samples(run_sample: Callable[[], Any], samples: int, runs_per_sample:
     events, lines = found
     intervals = [(s, e) for _, s, e in events]
     groups, how = assign_to_marks(intervals, marks, samples), "annotations"
+    if groups is None and marks and intervals:
+        # Host and device clocks with different origins: the first kernel starts as the first
+        # sample opens (less its launch latency, which the midpoint rule tolerates).
+        off = min(s for s, _ in intervals) - min(a for _, a, _ in marks)
+        groups = assign_to_marks(intervals, [(i, a + off, b + off) for i, a, b in marks], samples)
+        how = "annotations, clocks aligned at the first kernel"
     if groups is None:
         groups, how = split_samples(intervals, samples, SAMPLE_PAUSE_S * 1e9 / 2), "pauses"
     if groups is None:

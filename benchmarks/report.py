@@ -292,6 +292,12 @@ def summary_text(data: dict) -> str:
         note = next((r.get("note") for r in eager if r.get("note")), "")
         pts = ", ".join(f"{SHORT[r['system']]} {r['shape']}/{r['format']}/M={r['M']}" for r in eager[:4])
         lines.append(f"timed eagerly, not as graph replays ({len(eager)} rows: {pts}{' ...' if len(eager) > 4 else ''}): {note[:200]}")
+    jax_rows = [r for r in data.get("rows", []) if str(r.get("mode", "")).startswith("jax_jit")]
+    device_rows = [r for r in jax_rows if r["mode"] == "jax_jit_device"]
+    if device_rows:
+        fell_back = [r for r in jax_rows if r["mode"] != "jax_jit_device"]
+        lines.append(f"JAX systems timed on the device: {len(device_rows)}/{len(jax_rows)} rows"
+                     + (f"; wall clock for {len(fell_back)} ({fell_back[0].get('note', '')[:160]})" if fell_back else ""))
     c = data.get("ceilings") or {}
     if c.get("copy_tbps") is not None and c.get("bf16_tflops") is not None:
         lines.append(f"ceilings: copy {c['copy_tbps']:.2f} TB/s, bf16 matmul {c['bf16_tflops']:.1f} TFLOP/s")

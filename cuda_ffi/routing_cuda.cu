@@ -70,27 +70,34 @@ struct RoutingArgs {
 
 // Local experts of the lane's four entries in each 128-entry step s0 .. s0 + U - 1 (entry
 // step * 128 + lane * 4 + j; -2 past s_hi or the entries, -1 remote or invalid). map is the
-// staged or the global expert map.
+// staged or the global expert map. Positions past the end are flagged apart: every int32 is a
+// possible id.
 template <int U>
 __device__ __forceinline__ void step_experts(const RoutingArgs& a, const int32_t* map, bool vec, int s0, int s_hi,
                                              int lane, int (&l)[U][4]) {
   int id[U][4];
+  unsigned past[U];  // bit j: entry j lies past s_hi or the entries
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int i = (s0 + u) * 128 + lane * 4;
+    past[u] = 0;
     if (s0 + u < s_hi && vec && i + 3 < a.entries) {
       const int4 v = __ldg(reinterpret_cast<const int4*>(a.ids + i));
       id[u][0] = v.x, id[u][1] = v.y, id[u][2] = v.z, id[u][3] = v.w;
     } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) id[u][j] = s0 + u < s_hi && i + j < a.entries ? __ldg(a.ids + i + j) : INT32_MIN;
+      for (int j = 0; j < 4; ++j) {
+        const bool in = s0 + u < s_hi && i + j < a.entries;
+        id[u][j] = in ? __ldg(a.ids + i + j) : 0;
+        past[u] |= in ? 0u : 1u << j;
+      }
     }
   }
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      l[u][j] = id[u][j] == INT32_MIN ? -2 : local_expert(id[u][j], map, a.num_global, a.num_local);
+      l[u][j] = (past[u] >> j) & 1u ? -2 : local_expert(id[u][j], map, a.num_global, a.num_local);
 }
 
 __device__ __forceinline__ int warp_sum(int v) {

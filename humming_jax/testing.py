@@ -58,12 +58,13 @@ def random_routing(
     rng: np.random.Generator, m: int, k: int, e_global: int, e_local: int, pad_frac: float
 ) -> tuple[jax.Array, jax.Array]:
     """(topk_ids [m, k], expert_map [e_global]): ids uniform over the global experts, a fraction
-    padded with -1 and one far out of range (2^31 - 1; every kernel must skip it); e_local of the
-    global experts owned, in a random order."""
+    padded with -1 and two far out of range (2^31 - 1 and -2^31; every kernel must skip them); e_local
+    of the global experts owned, in a random order."""
     ids = rng.integers(0, e_global, (m, k)).astype(np.int32)
     ids = np.where(rng.random((m, k)) < pad_frac, -1, ids).astype(np.int32)
     if m * k:
         ids.flat[rng.integers(0, m * k)] = 2**31 - 1
+        ids.flat[rng.integers(0, m * k)] = -(2**31)
     emap = np.full(e_global, -1, np.int32)
     emap[rng.permutation(e_global)[:e_local]] = np.arange(e_local)
     return jnp.asarray(ids), jnp.asarray(emap)

@@ -41,7 +41,10 @@ def section(files: list[Path], root: Path) -> str:
         "humming-kernels has no routing or finalize kernels, so it is compared on the gemms part; "
         "`torch._grouped_mm` runs bf16 weights, `ragged_dot` bf16 (dequantized) weights, both on rows "
         "sorted by expert outside the timed region. Throughput: TB/s over the touched experts' weight "
-        "and scale bytes for M ≤ 128, TFLOP/s for M ≥ 1024.",
+        "and scale bytes for M ≤ 128, TFLOP/s for M ≥ 1024. The torch peers are timed by CUDA events "
+        "around graph replays; our systems and `ragged_dot` either by the wall clock or, as each run "
+        "says below, by their GPU activity in a profiler trace (gaps over 10 µs, where the GPU waits "
+        "for the host's dispatch, left out; the rows keep the wall-clock medians).",
         "",
         "Runs (ceilings measured in each):",
     ]

@@ -246,8 +246,19 @@ def ceilings_line(name: str, data: dict) -> str:
     return (
         f"- `{name}`: {dev}, jax {data.get('jax_version', '?')}, torch {data.get('torch_version', '—')}, "
         f"humming-kernels {data.get('humming_kernels_version', '—')}; copy {c['copy_tbps']:.2f} TB/s, "
-        f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s"
+        f"bf16 matmul {c['bf16_tflops']:.0f} TFLOP/s; {timing_words(data)}"
     )
+
+
+def timing_words(data: dict) -> str:
+    """How the run timed its JAX systems (bench_moe --timer; runs before the option: wall clock)."""
+    rows = [r for r in data.get("rows", []) if str(r.get("mode", "")).startswith("jax_jit")]
+    device = sum(r["mode"] == "jax_jit_device" for r in rows)
+    if not device:
+        return "JAX systems timed by the wall clock"
+    if device == len(rows):
+        return "JAX systems timed by their GPU activity in a profiler trace"
+    return f"JAX systems timed by their GPU activity in a profiler trace ({len(rows) - device} of {len(rows)} rows by the wall clock)"
 
 
 def summary_text(data: dict) -> str:

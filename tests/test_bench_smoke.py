@@ -191,29 +191,6 @@ def test_kernel_table_sums_per_name_and_call():
         assert abs(us - want[name] / 3 / 1e3) < 1e-6 * max(1.0, us)
 
 
-def test_split_samples_cuts_at_the_pauses_only():
-    from device_timer import busy_time_ns, split_samples
-
-    rng = np.random.default_rng()
-    pause = 5e6
-    groups, t = [], 0.0
-    for _ in range(int(rng.integers(3, 9))):
-        g = []
-        for _ in range(int(rng.integers(1, 12))):
-            s = t + float(rng.uniform(0, 3e4))  # gaps inside a sample stay far below the pause
-            g.append((s, s + float(rng.uniform(100, 4e4))))
-            t = s + float(rng.uniform(0, 5e4))
-        groups.append(g)
-        t = max(e for _, e in g) + pause
-    flat = [iv for g in groups for iv in g]
-    rng.shuffle(flat)
-    got = split_samples(flat, len(groups), pause / 2)
-    assert got is not None and [sorted(g) for g in got] == [sorted(g) for g in groups]
-    assert [busy_time_ns(g, 1e4) for g in got] == [busy_time_ns(g, 1e4) for g in groups]
-    assert split_samples(flat, len(groups) + 1, pause / 2) is None  # a lost sample is an error, not a guess
-    assert split_samples([], 1, pause / 2) is None
-
-
 def test_device_timer_mode_refuses_a_backend_without_a_gpu_timeline():
     import jax_systems as js
 

@@ -52,9 +52,10 @@ def versions() -> dict:
     return out
 
 
-def time_torch(run: Callable[[], Any], *, repeats: int, warmup: int, chain: int, graph: bool = True) -> dict:
-    """Times ``run`` (one pass over the point's R sets) as CUDA-graph replays (falls back to
-    eager launches, noted, when capture fails), S replays per sample between two events."""
+def capture(run: Callable[[], Any], graph: bool = True) -> tuple[Callable[[], Any], str, str | None, Any]:
+    """(fn, mode, note, graph object): ``run`` captured in a CUDA graph and fn its replay, or, when
+    capture fails (noted) or ``graph`` is False, ``run`` itself run eagerly. Keep the graph object
+    alive while fn is used."""
     import torch
 
     note = None
@@ -77,6 +78,15 @@ def time_torch(run: Callable[[], Any], *, repeats: int, warmup: int, chain: int,
         except Exception as exc:  # noqa: BLE001
             note = f"graph capture failed, eager timing: {type(exc).__name__}: {str(exc)[:200]}"
             torch.cuda.synchronize()
+    return fn, mode, note, g
+
+
+def time_torch(run: Callable[[], Any], *, repeats: int, warmup: int, chain: int, graph: bool = True) -> dict:
+    """Times ``run`` (one pass over the point's R sets) as CUDA-graph replays (falls back to
+    eager launches, noted, when capture fails), S replays per sample between two events."""
+    import torch
+
+    fn, mode, note, g = capture(run, graph)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
     fn()

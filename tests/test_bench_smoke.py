@@ -225,3 +225,11 @@ def test_assign_to_marks_groups_by_annotation_and_refuses_a_misaligned_clock():
     assert assign_to_marks(flat, marks[1:], n) is None  # a mark missing
     shifted = [(i, a + 1e9, b + 1e9) for i, a, b in marks]  # host and device clocks apart
     assert assign_to_marks(flat, shifted, n) is None
+
+
+def test_timer_check_refuses_the_cpu_with_a_clear_message():
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU backend's answer")
+    res = subprocess.run([sys.executable, str(BENCH / "timer_check.py"), "--points", "tiny:1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "run it on the GPU machine" in res.stderr, res.stderr[-2000:]

@@ -83,6 +83,8 @@ ROUTING_CASES = [
     (1000, 8, 256, 32, 32, 0.05),
     (16384, 8, 128, 128, 64, 0.0),
     (5000, 6, 300, 256, 32, 0.1),
+    (2048, 4, 10000, 64, 16, 0.1),  # an expert map too long to stage in shared memory
+    (64, 2, 8000, 5000, 16, 0.0),  # staged map + histogram beyond 48 KB of shared memory
 ]
 
 

@@ -250,10 +250,16 @@ def ceilings_line(name: str, data: dict) -> str:
     )
 
 
+def jax_timed_rows(data: dict) -> tuple[list[dict], list[dict]]:
+    """(rows of the JAX systems, those among them timed on the device)."""
+    rows = [r for r in data.get("rows", []) if str(r.get("mode", "")).startswith("jax_jit")]
+    return rows, [r for r in rows if r["mode"] == "jax_jit_device"]
+
+
 def timing_words(data: dict) -> str:
     """How the run timed its JAX systems (bench_moe --timer; runs before the option: wall clock)."""
-    rows = [r for r in data.get("rows", []) if str(r.get("mode", "")).startswith("jax_jit")]
-    device = sum(r["mode"] == "jax_jit_device" for r in rows)
+    rows, device_rows = jax_timed_rows(data)
+    device = len(device_rows)
     if not device:
         return "JAX systems timed by the wall clock"
     if device == len(rows):
@@ -303,8 +309,7 @@ def summary_text(data: dict) -> str:
         note = next((r.get("note") for r in eager if r.get("note")), "")
         pts = ", ".join(f"{SHORT[r['system']]} {r['shape']}/{r['format']}/M={r['M']}" for r in eager[:4])
         lines.append(f"timed eagerly, not as graph replays ({len(eager)} rows: {pts}{' ...' if len(eager) > 4 else ''}): {note[:200]}")
-    jax_rows = [r for r in data.get("rows", []) if str(r.get("mode", "")).startswith("jax_jit")]
-    device_rows = [r for r in jax_rows if r["mode"] == "jax_jit_device"]
+    jax_rows, device_rows = jax_timed_rows(data)
     if device_rows:
         fell_back = [r for r in jax_rows if r["mode"] != "jax_jit_device"]
         lines.append(f"JAX systems timed on the device: {len(device_rows)}/{len(jax_rows)} rows"

@@ -64,11 +64,11 @@ def torch_both(gm: tpz.GroupedMM, tp: tpz.TorchPoint, repeats: int) -> dict:
 def ours_both(jp: js.JaxPoint, system: str, part: str, repeats: int) -> dict:
     run = js.our_layer if part == "layer" else js.our_gemms
     wall = run(jp, system, repeats, 3)
-    js.TIMER = "device"
+    before, js.TIMER = js.TIMER, "device"
     try:
         dev = run(jp, system, repeats, 3)
     finally:
-        js.TIMER = "wall"
+        js.TIMER = before
     return {"wall": wall["samples_ms"], "device": dev["samples_ms"], "device_mode": dev["mode"],
             "device_wall": dev.get("wall_samples_ms"), "device_note": dev.get("note")}
 

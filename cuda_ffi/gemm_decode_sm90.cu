@@ -18,11 +18,15 @@ std::atomic<uint64_t> g_launches{0};
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
 // Grouped calls with quantized weights and 16-bit activations: the most rows per expert (on
-// average) the decode kernel takes by default (quant_decode_rows_per_expert). The dequantizing
-// prefill path, tried first, takes calls from the same number (DEQUANT_MIN_ROWS_PER_EXPERT in
-// humming_jax/ops/gemm.py, the same value). At 32-63 rows per expert streaming the codes once per
-// 16-row item ran 2.7x faster on the H200 than dequantizing every expert (benchmarks/NOTES.md, v4).
+// average) the decode kernel takes by default (quant_decode_rows_per_expert), for 8-bit codes and
+// for 4-bit ones. The dequantizing prefill path, tried first, takes calls from the same number
+// (DEQUANT_MIN_ROWS_PER_EXPERT / DEQUANT_MIN_ROWS_PER_EXPERT_4BIT in humming_jax/ops/gemm.py). The
+// decode kernel streams the codes once per 32-row item; dequantizing reads them once but writes
+// and reads 2-byte weights. At 32-63 rows per expert the decode kernel ran 2.7x faster on the H200
+// (benchmarks/NOTES.md, v4); with MXFP4 codes 1.49x faster at 64 rows per expert (qwen3), 1.09x
+// slower at 128 (gpt-oss) and even at 256 (deepseek, mixtral), v9.
 constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
+constexpr int64_t kMaxRowsPerExpertQuant4Grouped = 128;
 constexpr int64_t kSmemReservedPerCta = 1024 + kStaticSmemReserve;  // + the kernel's static shared memory
 
 bool env_flag(const char* name, bool unset) {
@@ -128,7 +132,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       const char* rows_env = std::getenv("HUMMING_JAX_DECODE_ITEM_ROWS");
       const bool wide_ok = !(rows_env && std::atoi(rows_env) == kItemRows);
       D.item_rows = codes16 && wide_ok && R > kItemRows * E ? kMaxRows : kItemRows;
-      const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert() : kItemRows;
+      const int64_t max_per_expert = codes16 ? quant_decode_rows_per_expert(w.type) : kItemRows;
       if (R > max_per_expert * E)
         return decline(L, "more rows per expert on average than the decode kernel takes");
       const int64_t tiles = (R + D.item_rows - 1) / D.item_rows;
@@ -275,10 +279,12 @@ const char* deq_name(Deq d) {
 
 }  // namespace
 
-int64_t quant_decode_rows_per_expert() {
+int64_t quant_decode_rows_per_expert(WeightType t) {
+  const int64_t base = t == WeightType::kUInt4 || t == WeightType::kFp4E2M1 ? kMaxRowsPerExpertQuant4Grouped
+                                                                               : kMaxRowsPerExpertQuantGrouped;
   const char* v = std::getenv("HUMMING_JAX_QUANT_DECODE_ROWS");
   const int64_t r = v && *v ? std::atoll(v) : 0;
-  return r > kMaxRowsPerExpertQuantGrouped ? r : kMaxRowsPerExpertQuantGrouped;
+  return r > 0 ? r : base;
 }
 
 Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched) {

@@ -21,11 +21,12 @@ namespace decode {
 // HUMMING_JAX_DECODE_LOG=1 prints each decision to stderr.
 Error launch_decode(const std::string& call, const gemm::GemmLaunch& L, cudaStream_t stream, bool* launched);
 
-// Grouped calls with quantized weights and 16-bit activations: the decode kernel takes them up to
-// this many rows per expert on average, and the dequantizing prefill path from it (64, the value
-// humming_jax/ops/gemm.py sizes the workspace by). HUMMING_JAX_QUANT_DECODE_ROWS raises it (values
-// of 64 and more; for A/B timing).
-int64_t quant_decode_rows_per_expert();
+// Grouped calls with quantized weights of this type and 16-bit activations: the decode kernel takes
+// them up to this many rows per expert on average, and the dequantizing prefill path from it (64
+// for 8-bit codes, 128 for 4-bit ones: the values humming_jax/ops/gemm.py sizes the workspace by).
+// HUMMING_JAX_QUANT_DECODE_ROWS=<n> (n > 0) replaces it for every type (for A/B timing;
+// humming_jax/ops/gemm.py reads it too).
+int64_t quant_decode_rows_per_expert(WeightType t);
 
 }  // namespace decode
 }  // namespace hj

@@ -20,13 +20,6 @@ namespace {
 // promises less for a sub-buffer), and the rounding slack is part of the need.
 constexpr size_t kWorkspaceAlign = 128;
 
-// Kind::kU4Bf16 runs below this many rows per expert; from there the dequantizing path does
-// (humming_jax/ops/gemm.py, MIXED_MAX_ROWS_PER_EXPERT). Measured on the H200 (benchmarks/NOTES.md,
-// v5): at 64-256 rows per expert the mixed-input kind takes 0.50-0.73x the dequantizing path's
-// time, at 1024 rows 1.09x (its 128 x 128 tile against the bf16 kind's 128 x 256, the dequantizing
-// pass then amortized); the log-linear crossover is near 790.
-constexpr int64_t kMixedMaxRowsPerExpert = 768;
-
 // Prefill GEMMs launched by this process (host-side launches, not graph replays): lets the GPU
 // tests prove that a problem took this path rather than the generic kernel.
 std::atomic<uint64_t> g_launches{0};
@@ -46,12 +39,14 @@ bool mixed_disabled_by_env() {
   return v != nullptr && std::strcmp(v, "0") == 0;
 }
 
-// HUMMING_JAX_PREFILL_TILE=64 or 128: the tile height regardless of rows per expert (0: by shape).
+// HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
+// regardless of rows per expert (0: by shape).
 int tile_rows_from_env() {
   const char* v = std::getenv("HUMMING_JAX_PREFILL_TILE");
   if (v == nullptr) return 0;
   if (std::strcmp(v, "64") == 0) return 64;
   if (std::strcmp(v, "128") == 0) return 128;
+  if (std::strcmp(v, "256") == 0) return 256;
   return 0;
 }
 }  // namespace
@@ -72,6 +67,7 @@ Kind wide_kind(Kind k) {
     case Kind::kF16M64: return Kind::kF16;
     case Kind::kFp8Block128M64: return Kind::kFp8Block128;
     case Kind::kU4Bf16N64: return Kind::kU4Bf16;
+    case Kind::kU4Bf16N256: return Kind::kU4Bf16;
     default: return k;
   }
 }
@@ -86,6 +82,7 @@ const char* kind_name(Kind k) {
     case Kind::kFp8Block128M64: return "fp8-block128-m64";
     case Kind::kU4Bf16: return "u4-bf16";
     case Kind::kU4Bf16N64: return "u4-bf16-n64";
+    case Kind::kU4Bf16N256: return "u4-bf16-n256";
     default: return "none";
   }
 }
@@ -118,17 +115,17 @@ bool current_device(DeviceInfo* info) {
 
 namespace {
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
-// bf16 activations and output, kMinRowsPerExpert up to kMixedMaxRowsPerExpert rows per expert:
-// the mixed-input kinds (below quant_decode_rows_per_expert() they take these calls from the decode
-// kernel, which streams the codes once per 16 rows). Rows of codes 16-byte aligned (K % 32) and
-// N % 8 (TMA: scale and output rows of 16 bytes).
+// bf16 activations and output, from kMinRowsPerExpert rows per expert: the mixed-input kinds
+// (below quant_decode_rows_per_expert() they take these calls from the decode kernel, which streams
+// the codes once per 32-row item, and above it from the dequantizing path: at 1024-4096 rows per
+// expert the 256-token kind measured 1.01-1.19x faster than dequantizing, benchmarks/NOTES.md, v9).
+// Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
 bool mixed_input_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
   return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kBF16 && w.scale != nullptr && w.group_n == 1 &&
          (w.group_k % kMixedTileK == 0 || w.group_k >= p.K) && p.a.type == ElemType::kBF16 &&
          p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= kMinRowsPerExpert * w.E &&
-         R < kMixedMaxRowsPerExpert * w.E &&
          w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
 }
 
@@ -171,7 +168,9 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   const Kind wide = choose_wide(p, R, dev);
   if (wide == Kind::kNone) return wide;
   const int forced = tile_rows_from_env();
-  if (forced == 128) return wide;
+  if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
+    return Kind::kU4Bf16N256;
+  if (forced == 128 || forced == 256) return wide;
   const int64_t wide_from = wide == Kind::kFp8Block128 ? kWideRowsPerExpertFp8
                             : wide == Kind::kU4Bf16    ? kWideRowsPerExpertMixed
                                                        : kWideRowsPerExpert16;
@@ -190,6 +189,7 @@ size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
     case Kind::kFp8Block128M64: n = workspace_bytes_fp8_block128_m64(E, sm_count); break;
     case Kind::kU4Bf16: n = workspace_bytes_u4_bf16(E, sm_count); break;
     case Kind::kU4Bf16N64: n = workspace_bytes_u4_bf16_n64(E, sm_count); break;
+    case Kind::kU4Bf16N256: n = workspace_bytes_u4_bf16_n256(E, sm_count); break;
     default: return 0;
   }
   return n + kWorkspaceAlign;
@@ -217,6 +217,7 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kFp8Block128M64: err = run_fp8_block128_m64(a, dev, stream); break;
     case Kind::kU4Bf16: err = run_u4_bf16(a, dev, stream); break;
     case Kind::kU4Bf16N64: err = run_u4_bf16_n64(a, dev, stream); break;
+    case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())
@@ -294,10 +295,11 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   // their codes: the fp8 kind scales them in the mainloop).
   const Kind wk = wide_kind(kind);
   if ((wk == Kind::kBf16 || wk == Kind::kF16) && p.w.type != WeightType::kFloat) {
-    // Dequantized only from decode::quant_decode_rows_per_expert() rows per expert (64; below it
-    // the decode kernel or the generic one), whatever room the workspace happens to have
-    // (humming_jax/ops/gemm.py, DEQUANT_MIN_ROWS_PER_EXPERT, sizes it by the same rule).
-    if (R < decode::quant_decode_rows_per_expert() * p.w.E) return Error::Success();
+    // Dequantized only from decode::quant_decode_rows_per_expert() rows per expert (64 for 8-bit
+    // codes, 128 for 4-bit ones; below it the decode kernel or the generic one), whatever room the
+    // workspace happens to have (humming_jax/ops/gemm.py, dequant_min_rows_per_expert, sizes it by
+    // the same rule).
+    if (R < decode::quant_decode_rows_per_expert(p.w.type) * p.w.E) return Error::Success();
     return run_dequantized(call, g, p, dev, stream, handled);
   }
   *handled = true;

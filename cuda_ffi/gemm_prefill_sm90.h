@@ -32,16 +32,20 @@ enum class Kind : int {
   kFp8Block128M64 = 6,
   // uint4 codes (offset 8, no zero points) with bf16 scales per 1 x group_k (group_k whole 64-k
   // tiles, or one group spanning K) x bf16 activations -> bf16, the codes converted and scaled in
-  // the mainloop (gemm_prefill_sm90_mixed.cuh). From kMinRowsPerExpert to below
-  // kMixedMaxRowsPerExpert (gemm_prefill_sm90.cu) rows per expert it takes these calls from the
-  // decode kernel and the dequantizing path; HUMMING_JAX_PREFILL_MIXED=0 gives them back.
+  // the mainloop (gemm_prefill_sm90_mixed.cuh). From kMinRowsPerExpert rows per expert up it takes
+  // these calls from the decode kernel and the dequantizing path; HUMMING_JAX_PREFILL_MIXED=0 gives
+  // them back. 128-token tiles from kWideRowsPerExpertMixed to below kTallRowsPerExpertMixed rows per
+  // expert on average.
   kU4Bf16 = 7,
   // The same on tiles of 64 token rows, for experts of kMinRowsPerExpert up to
   // kWideRowsPerExpertMixed rows on average.
   kU4Bf16N64 = 8,
+  // ... and of 256 token rows, from kTallRowsPerExpertMixed rows per expert on average.
+  kU4Bf16N256 = 9,
 };
 
-// The kind on 64-row tiles of a 128-row kind, and back.
+// The kind on 64-row tiles of a 128-row kind, and back (the 256-token mixed kind's 128-row kind is
+// kU4Bf16).
 Kind narrow_kind(Kind k);
 Kind wide_kind(Kind k);
 
@@ -61,7 +65,8 @@ constexpr int64_t kMaxExperts = 8192;
 // chosen over the generic one (at least half of a 64-row tile used), and from which it runs on
 // 128-row tiles instead of 64-row ones, per kind as measured on the H200 (benchmarks/NOTES.md, v4:
 // at 64 rows per expert the 16-bit 128 x 256 tile still wins, the fp8 128 x 128 one does not).
-// HUMMING_JAX_PREFILL_TILE=64 or 128 forces one tile height at run time (for A/B measurements).
+// HUMMING_JAX_PREFILL_TILE=64, 128 (or 256: the mixed-input kinds) forces one tile height at run
+// time (for A/B measurements).
 // HUMMING_JAX_PREFILL_MIXED=0 sends the calls Kind::kU4Bf16 takes back to the dequantizing path
 // (read at each call here, and when the call is traced by humming_jax/ops/gemm.py, which then
 // requests the dequantization buffer instead of the transposed scales).
@@ -72,6 +77,10 @@ constexpr int64_t kWideRowsPerExpertFp8 = 128;
 // or span K (humming_jax/ops/gemm.py, MIXED_TILE_K).
 constexpr int64_t kMixedTileK = 64;
 constexpr int64_t kWideRowsPerExpertMixed = 128;
+// From this many rows per expert the mixed-input kind runs on 256-token tiles; measured on the H200
+// at 256-4096 rows per expert, 1.02-1.29x faster than the 128-token tiles at 256 and than the
+// dequantizing path above (benchmarks/NOTES.md, v9).
+constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {
@@ -145,6 +154,7 @@ size_t workspace_bytes_f16_m64(int64_t E, int sm_count);
 size_t workspace_bytes_fp8_block128_m64(int64_t E, int sm_count);
 size_t workspace_bytes_u4_bf16(int64_t E, int sm_count);
 size_t workspace_bytes_u4_bf16_n64(int64_t E, int sm_count);
+size_t workspace_bytes_u4_bf16_n256(int64_t E, int sm_count);
 std::string run_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_f16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_fp8_block128(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
@@ -153,6 +163,7 @@ std::string run_f16_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStre
 std::string run_fp8_block128_m64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16_n64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_u4_bf16_n256(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 
 }  // namespace prefill
 }  // namespace hj

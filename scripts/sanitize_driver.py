@@ -85,11 +85,12 @@ def main() -> None:
                                 k=21), None, jnp.float16, None)
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
-    # 128-row tiles for m = 300 and 64-row tiles for m = 60; at m = 300 int4 through the mixed-input
-    # kind and mxfp4 through the dequantization buffer, at m = 60 both through the decode kernel),
-    # with an empty expert, uneven expert sizes and rows past off[E].
+    # 128-row tiles for m = 1200 and 300 and 64-row tiles for m = 60; int4 through the mixed-input
+    # kinds (256-token tiles at m = 1200, 128 at 300, 64 at 60), mxfp4 through the dequantization
+    # buffer at m = 1200 and the decode kernel below), with an empty expert, uneven expert sizes and
+    # rows past off[E].
     for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
-                                       (300, 60)):
+                                       (1200, 300, 60)):
         spec = SCHEMES[scheme]
         e, n, k, topk = 3, 384, 256, 2
         w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)

@@ -72,9 +72,10 @@ def _assert_close(got, want, dtype, what, tol=None):
 # 16-bit weights or w8a8-fp8-block128, K and N multiples of 8 (128 for fp8), and at least
 # kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below 64 rows per
 # expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); uint4 codes
-# without zero points with bf16 group scales and bf16 activations at 32-767 rows per expert on the
-# mixed-input kernels (64-token tiles below 128 rows), other quantized weights with 16-bit
-# activations from 64 rows per expert (int4 from 768) dequantized first;
+# without zero points with bf16 group scales and bf16 activations from 32 rows per expert on the
+# mixed-input kernels (64-token tiles below 128 rows, 256-token tiles from 256), other quantized
+# weights with 16-bit activations dequantized first, from 64 rows per expert for 8-bit codes and
+# from 128 for 4-bit ones;
 # HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 gives the mixed-input calls to the
 # decode kernel or the dequantizing path.
 # ================================================================================================
@@ -163,9 +164,10 @@ PREFILL_CASES = [
     ("w8a8-fp8-block128", None, 2048, 8, 64, 384, 256, "zero_rows"),
     ("w8a8-fp8-block128", None, 1024, 1, 8, 256, 512, "one_expert"),
     ("w8a8-fp8-block128", None, 1024, 4, 16, 256, 384, "tail"),
-    # Quantized weights with 16-bit activations: experts dequantized into the workspace, then the
-    # 16-bit kernel (one launch: every expert fits the default buffer); int4 with bf16 scales and
-    # activations: the mixed-input kernel (more in test_prefill_mixed_input_*).
+    # Quantized weights with 16-bit activations (from 128 rows per expert for 4-bit codes, 64 for
+    # 8-bit): experts dequantized into the workspace, then the 16-bit kernel (one launch: every expert
+    # fits the default buffer); int4 with bf16 scales and activations: the mixed-input kernel (more in
+    # test_prefill_mixed_input_*).
     ("w4a16-int4-g128", jnp.bfloat16, 1024, 2, 8, 384, 512, "uniform"),
     ("w4a16-int4-g128", jnp.float16, 1024, 2, 8, 256, 256, "uniform"),
     ("w4a16-uint4-zp-g128", jnp.bfloat16, 1024, 2, 8, 256, 256, "tail"),
@@ -180,7 +182,7 @@ PREFILL_CASES = [
     ("w8a8-fp8-block128", None, 256, 2, 8, 768, 512, "uniform"),  # 64
     ("w8a8-fp8-block128", None, 256, 8, 64, 384, 256, "zero_rows"),  # 32
     ("w4a16-int4-g128", jnp.bfloat16, 256, 2, 8, 384, 512, "uniform"),  # 64: the mixed-input kernel
-    ("w4a16-int4-g128", jnp.float16, 256, 2, 8, 384, 512, "uniform"),  # 64: dequantized, 128-row tiles
+    ("w4a16-int4-g128", jnp.float16, 1024, 2, 8, 384, 512, "uniform"),  # 256 (4-bit codes from 128): dequantized
 ]
 
 
@@ -209,7 +211,7 @@ def test_prefill_grouped_gemm_matches_cpu(rng, scheme, dtype, m, k, e, n, kdim, 
         ("fp16", 4096, 4, 32, 1024, 1024),
         ("w8a8-fp8-block128", 4096, 8, 32, 2048, 2048),  # deepseek-v3-ep8 GEMM2-like (N cut)
         ("w8a8-fp8-block128", 4096, 8, 128, 2048, 768),  # qwen3-30b-a3b GEMM2
-        ("w4a16-int4-g128", 4096, 2, 8, 2048, 4096),  # mixtral-8x7b GEMM1-like: 1024 rows per expert, dequantized
+        ("w4a16-int4-g128", 4096, 2, 8, 2048, 4096),  # mixtral-8x7b GEMM1-like: 1024 rows per expert, 256-token tiles
         ("w4a16-int4-g128", 4096, 8, 128, 1536, 1024),  # qwen3-30b-a3b GEMM1-like (K cut): the mixed-input kernel
     ],
 )
@@ -268,6 +270,11 @@ MIXED_CASES = [
     (192, 2, 8, 264, 384, 128, "tail", False),  # 48, rows past off[E]
     (512, 8, 64, 384, 640, 128, "zero_rows", True),  # 64 on average, ~190 on the used experts: several tiles each
     (448, 2, 8, 200, 160, 160, "uniform", False),  # 112, one group spanning K
+    # From kTallRowsPerExpertMixed = 256 rows per expert: 256-token tiles.
+    (2048, 2, 8, 768, 512, 128, "uniform", True),  # 512 rows per expert
+    (2048, 4, 16, 264, 384, 128, "tail", True),  # N not a multiple of the tile; rows past off[E]
+    (2048, 2, 8, 200, 160, 160, "uniform", False),  # one group spanning K
+    (4096, 1, 8, 256, 1152, 128, "one_expert", False),  # 4096 rows on one expert
 ]
 
 
@@ -296,10 +303,10 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
     assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
     if kind == "tail":
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
-    # The same w' through the dequantizing path and the bf16 kernel (below 64 rows per expert: the
+    # The same w' through the dequantizing path and the bf16 kernel (below 128 rows per expert for 4-bit codes: the
     # decode kernel): equal up to accumulation order.
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
-    dequantizing = rows >= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
+    dequantizing = rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * e
     assert (gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) > 0) == dequantizing
     with _LaunchCount(_PREFILL_LAUNCHES) as dequantized:
         again = _run_gemm(GPU, p)
@@ -352,9 +359,10 @@ def test_prefill_quantized_weights_are_exact(rng, monkeypatch, scheme, dtype, kd
     exactly, no bias): the prefill paths for quantized weights must give the CPU's w' bit for bit."""
     if not mixed:
         monkeypatch.setenv("HUMMING_JAX_PREFILL_MIXED", "0")
-    p = _gemm_inputs(rng, scheme, 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
+    # 4-bit codes are dequantized from 128 rows per expert, 8-bit ones from 64.
+    p = _gemm_inputs(rng, scheme, 1024 if scheme.startswith("w4") else 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
     rows = p["a"].shape[0]
-    assert rows >= gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * 8
+    assert rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * 8 or mixed
     hot = np.zeros((rows, kdim), np.float32)
     hot[np.arange(rows), (np.arange(rows) * 7 + int(rng.integers(kdim))) % kdim] = 1.0
     p["a"] = jax.device_put(jnp.asarray(hot, dtype), GPU)
@@ -375,11 +383,13 @@ def test_prefill_small_experts_keep_the_generic_kernel(rng):
 
 
 @requires_prefill
-@pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128"])
-@pytest.mark.parametrize("tile", ["64", "128"])
+@pytest.mark.parametrize("scheme,tile", [("bf16", "64"), ("bf16", "128"), ("w8a8-fp8-block128", "64"),
+                                         ("w8a8-fp8-block128", "128"), ("w4a16-int4-g128", "64"),
+                                         ("w4a16-int4-g128", "128"), ("w4a16-int4-g128", "256")])
 def test_prefill_tile_heights_agree(rng, monkeypatch, scheme, tile):
     """HUMMING_JAX_PREFILL_TILE forces one tile height: 64-row tiles on 512 rows per expert (eight
-    tiles each, uneven last ones) and 128-row tiles on 48 rows per expert, both as on the CPU."""
+    tiles each, uneven last ones), 128- and 256-row tiles on 48 rows per expert, all as on the CPU."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
     monkeypatch.setenv("HUMMING_JAX_PREFILL_TILE", tile)
     m = 1024 if tile == "64" else 96
     p = _gemm_inputs(rng, scheme, m, 8, 16, 384, 256, "uniform", bias=True)
@@ -623,14 +633,18 @@ def test_decode_declines_unsupported_calls_to_the_generic_kernel(rng, what, sche
                            "threshold to 64 (benchmarks/NOTES.md, v4); both are below it")
 @pytest.mark.parametrize("scheme,m,k,kind", [("w4a16-int4-g128", 64, 4, "uniform"), ("w4a16-mxfp4", 96, 4, "tail"),
                                              ("w8a16-int8-channel", 240, 2, "zero_rows"),
-                                             ("w4a16-uint4-zp-g128", 120, 4, "uniform")])
+                                             ("w4a16-uint4-zp-g128", 120, 4, "uniform"),
+                                             # 4-bit codes: up to 127 rows per expert
+                                             ("w4a16-mxfp4", 480, 2, "uniform"), ("w4a16-mxfp4", 1000, 1, "tail"),
+                                             ("w4a16-uint4-zp-g128", 400, 2, "zero_rows")])
 @pytest.mark.parametrize("item_rows", ["32", "16"])  # HUMMING_JAX_DECODE_ITEM_ROWS=16: 16-row items
-def test_decode_takes_quantized_grouped_calls_below_64_rows_per_expert(rng, monkeypatch, scheme, m, k, kind, item_rows):
-    """32 to 63 rows per expert on average (8 experts) with quantized weights and 16-bit
-    activations, once the decode kernel takes them: no dequantization buffer is requested, the
-    prefill kernel declines and the decode kernel runs items of up to 32 rows; the result
-    is the CPU's. (int4 with bf16 scales goes to the mixed-input prefill kernel unless
-    HUMMING_JAX_PREFILL_MIXED=0.)"""
+def test_decode_takes_quantized_grouped_calls_below_the_dequantizing_threshold(rng, monkeypatch, scheme, m, k, kind,
+                                                                             item_rows):
+    """32 rows per expert on average (8 experts) up to the dequantizing threshold (64 for 8-bit
+    codes, 128 for 4-bit ones) with quantized weights and 16-bit activations: no dequantization
+    buffer is requested, the prefill kernel declines and the decode kernel runs items of up to 32
+    rows; the result is the CPU's. (int4 with bf16 scales goes to the mixed-input prefill kernel
+    unless HUMMING_JAX_PREFILL_MIXED=0.)"""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
     monkeypatch.setenv("HUMMING_JAX_DECODE_ITEM_ROWS", item_rows)
     p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")  # no room for an expert either

@@ -73,7 +73,8 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
     e, n, k = 8, 384, 512
     w = _int4(rng, e, n, k)
     per = n * k * 2
-    rows = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
+    rows = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT * e  # 4-bit codes
+    assert gemm_ops.dequant_min_rows_per_expert(w) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
     assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 128 + e * per  # all fit in 512 MiB
     assert gemm_ops.dequant_buffer_bytes(rows - 1, w, jnp.bfloat16, False) == 0  # the decode kernel's
     assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, True) == 0  # 8-bit activations
@@ -92,7 +93,7 @@ def test_dequant_buffer_is_sized_by_the_budget(rng, monkeypatch):
 
 def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatch):
     """uint4 codes without zero points, bf16 scales per 1 x group_k (whole 64-k tiles or spanning
-    K) and bf16 activations at 32 to 767 rows per expert: the mixed-input kernel's transposed scales
+    K) and bf16 activations from 32 rows per expert: the mixed-input kernel's transposed scales
     (2 bytes per scale) and no dequantization buffer; HUMMING_JAX_PREFILL_MIXED=0 swaps the two."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
     e, n, k = 8, 384, 512
@@ -105,7 +106,6 @@ def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatc
     assert gemm_ops.mixed_scale_bytes(rows, spanning, jnp.bfloat16, False) == e * n * 2
     declined = {
         "too few rows": (gemm_ops.MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16),
-        "too many rows": (gemm_ops.MIXED_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16),
         "fp16 activations": (rows, w, jnp.float16),
         "fp16 scales": (rows, PackedWeight(w.data, w.scale.astype(jnp.float16), wtype=WeightType.UINT4, k=k,
                                            group_k=128), jnp.bfloat16),
@@ -125,25 +125,40 @@ def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatc
     assert gemm_ops.mixed_prefill(small, w, jnp.bfloat16, False)
     assert gemm_ops.mixed_scale_bytes(small, w, jnp.bfloat16, False) == e * n * (k // 128) * 2
     assert gemm_ops.dequant_buffer_bytes(small, w, jnp.bfloat16, False) == 0
-    big = gemm_ops.MIXED_MAX_ROWS_PER_EXPERT * e  # the dequantizing path's again
-    assert gemm_ops.mixed_prefill(big - 1, w, jnp.bfloat16, False)
-    assert gemm_ops.dequant_buffer_bytes(big, w, jnp.bfloat16, False) == 128 + e * n * k * 2
+    big = 4096 * e  # no upper bound: the 256-token tiles beat dequantizing at 1024-4096 rows per expert
+    assert gemm_ops.mixed_prefill(big, w, jnp.bfloat16, False)
+    assert gemm_ops.dequant_buffer_bytes(big, w, jnp.bfloat16, False) == 0
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
     assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False)
     assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
-    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 128 + e * n * k * 2
+    assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0  # the decode kernel's below 128
+    assert gemm_ops.dequant_buffer_bytes(big, w, jnp.bfloat16, False) == 128 + e * n * k * 2
 
 
 def test_mixed_input_constants_match_the_cuda_sources():
     assert cuda_constant("gemm_prefill_sm90.h", "kMixedTileK") == gemm_ops.MIXED_TILE_K
-    assert cuda_constant("gemm_prefill_sm90.cu", "kMixedMaxRowsPerExpert") == gemm_ops.MIXED_MAX_ROWS_PER_EXPERT
     assert cuda_constant("gemm_prefill_sm90.h", "kMaxExperts") == gemm_ops._MAX_EXPERTS
 
 
 def test_min_rows_match_the_cuda_sources():
     assert cuda_constant("gemm_prefill_sm90.h", "kMinRowsPerExpert") == gemm_ops.MIN_ROWS_PER_EXPERT
-    # One number: where the decode kernel stops taking codes, the dequantizing path starts.
+    # One number per code width: where the decode kernel stops taking codes, the dequantizing path starts.
     assert cuda_constant("gemm_decode_sm90.cu", "kMaxRowsPerExpertQuantGrouped") == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
+    assert cuda_constant("gemm_decode_sm90.cu", "kMaxRowsPerExpertQuant4Grouped") == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
+
+
+def test_dequant_threshold_by_code_width_and_its_override(rng, monkeypatch):
+    monkeypatch.delenv(gemm_ops.ENV_QUANT_DECODE_ROWS, raising=False)
+    int4 = _int4(rng, 2, 16, 256)
+    int8 = PackedWeight(jnp.zeros((2, 16, 256), jnp.int8), jnp.ones((2, 16, 1), jnp.float32), wtype=WeightType.INT8,
+                        k=256, group_k=256)
+    assert gemm_ops.dequant_min_rows_per_expert(int4) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT == 128
+    assert gemm_ops.dequant_min_rows_per_expert(int8) == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT == 64
+    monkeypatch.setenv(gemm_ops.ENV_QUANT_DECODE_ROWS, "96")
+    assert gemm_ops.dequant_min_rows_per_expert(int4) == gemm_ops.dequant_min_rows_per_expert(int8) == 96
+    monkeypatch.setenv(gemm_ops.ENV_QUANT_DECODE_ROWS, "many")
+    with pytest.raises(ValueError, match="HUMMING_JAX_QUANT_DECODE_ROWS"):
+        gemm_ops.dequant_min_rows_per_expert(int4)
 
 
 @pytest.mark.parametrize("mixed", ["1", "0"])
@@ -153,7 +168,7 @@ def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rn
     it); the result is the dequantized product either way."""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, mixed)
     e, n, k, topk = 2, 16, 256, 1
-    m = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
+    m = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT * e
     w = _int4(rng, e, n, k)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     ids = jnp.asarray(rng.integers(0, e, (m, topk)).astype(np.int32))

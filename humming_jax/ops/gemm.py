@@ -96,16 +96,35 @@ ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
 DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
-# Quantized weights are dequantized for the prefill kernel only from this many rows per expert
-# (cuda_ffi/gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped; $HUMMING_JAX_QUANT_DECODE_ROWS raises
-# the CUDA side's number, for A/B timing): below it the codes go to the decode or the generic kernel.
+# Quantized weights are dequantized for the prefill kernel only from this many rows per expert: 8-bit
+# codes from DEQUANT_MIN_ROWS_PER_EXPERT, 4-bit ones from DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
+# (cuda_ffi/gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped / kMaxRowsPerExpertQuant4Grouped):
+# below it the codes go to the decode or the generic kernel. $HUMMING_JAX_QUANT_DECODE_ROWS=<n>
+# replaces both on both sides (A/B timing).
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
+DEQUANT_MIN_ROWS_PER_EXPERT_4BIT = 128
+ENV_QUANT_DECODE_ROWS = "HUMMING_JAX_QUANT_DECODE_ROWS"
+
+
+def dequant_min_rows_per_expert(w: PackedWeight) -> int:
+    """Rows per expert (on average) from which ``w`` is dequantized for the prefill kernel."""
+    raw = os.environ.get(ENV_QUANT_DECODE_ROWS, "")
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_QUANT_DECODE_ROWS} = {raw!r} is not a whole number") from None
+        if value > 0:
+            return value
+    if w.wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
+        return DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
+    return DEQUANT_MIN_ROWS_PER_EXPERT
 
 
 # uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k and
-# bf16 activations run on the mixed-input kernels (Kind::kU4Bf16 / kU4Bf16N64 of
-# cuda_ffi/gemm_prefill_sm90.h) from MIN_ROWS_PER_EXPERT to below MIXED_MAX_ROWS_PER_EXPERT rows per
-# expert, instead of the decode kernel or the dequantizing path: they convert the codes in their
+# bf16 activations run on the mixed-input kernels (Kind::kU4Bf16 and its 64- and 256-token twins of
+# cuda_ffi/gemm_prefill_sm90.h) from MIN_ROWS_PER_EXPERT rows per expert up, instead of the decode
+# kernel or the dequantizing path: they convert the codes in their
 # mainloop, so nothing is dequantized, and need only the scales transposed, E * N * ceil(K / group_k)
 # bf16 values (mixed_scale_bytes) on top of the grouped workspace. Scale groups must be whole K
 # tiles of MIXED_TILE_K or span K; K a multiple of 32, N of 8. $HUMMING_JAX_PREFILL_MIXED=0 (read
@@ -113,9 +132,6 @@ DEQUANT_MIN_ROWS_PER_EXPERT = 64
 # paths, for A/B timing.
 ENV_PREFILL_MIXED = "HUMMING_JAX_PREFILL_MIXED"
 MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.h, kMixedTileK
-# Below this many rows per expert (cuda_ffi/gemm_prefill_sm90.cu, kMixedMaxRowsPerExpert): from there
-# the dequantizing path's 128 x 256 bf16 tiles win on the H200.
-MIXED_MAX_ROWS_PER_EXPERT = 768
 _MAX_EXPERTS = 8192  # cuda_ffi/gemm_prefill_sm90.h, kMaxExperts
 
 
@@ -129,7 +145,7 @@ def mixed_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: boo
             and jnp.dtype(w.scale.dtype) == jnp.bfloat16 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and w.group_n == 1
             and (w.group_k % MIXED_TILE_K == 0 or w.group_k >= k) and k % 32 == 0 and n % 8 == 0
-            and 0 < e <= _MAX_EXPERTS and MIN_ROWS_PER_EXPERT * e <= rows < MIXED_MAX_ROWS_PER_EXPERT * e
+            and 0 < e <= _MAX_EXPERTS and MIN_ROWS_PER_EXPERT * e <= rows
             and e * n * ((-(-k // w.group_k) + 7) // 8) < 2**31)
 
 
@@ -149,7 +165,7 @@ def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantiz
     if mixed_prefill(rows, w, act_dtype, act_quantized):
         return 0
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
-            or e <= 0 or rows < DEQUANT_MIN_ROWS_PER_EXPERT * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
+            or e <= 0 or rows < dequant_min_rows_per_expert(w) * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
         return 0
     raw = os.environ.get(ENV_DEQUANT_WORKSPACE_MB, "") or str(DEQUANT_WORKSPACE_MB_DEFAULT)
     try:

@@ -115,10 +115,10 @@ bool current_device(DeviceInfo* info) {
 
 namespace {
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
-// bf16 activations and output, from kMinRowsPerExpert rows per expert: the mixed-input kinds
-// (below quant_decode_rows_per_expert() they take these calls from the decode kernel, which streams
-// the codes once per 32-row item, and above it from the dequantizing path: at 1024-4096 rows per
-// expert the 256-token kind measured 1.01-1.19x faster than dequantizing, benchmarks/NOTES.md, v9).
+// bf16 activations and output, from kMinRowsPerExpert rows per expert: the mixed-input kinds. Below
+// quant_decode_rows_per_expert(kUInt4) rows per expert they take these calls from the decode kernel,
+// which streams the codes once per 32-row item, and above it from the dequantizing path (at
+// 1024-4096 rows per expert the 256-token kind measured 1.01-1.19x faster, benchmarks/NOTES.md, v9).
 // Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
 bool mixed_input_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;

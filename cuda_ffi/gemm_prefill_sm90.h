@@ -67,8 +67,8 @@ constexpr int64_t kMaxExperts = 8192;
 // at 64 rows per expert the 16-bit 128 x 256 tile still wins, the fp8 128 x 128 one does not).
 // HUMMING_JAX_PREFILL_TILE=64, 128 (or 256: the mixed-input kinds) forces one tile height at run
 // time (for A/B measurements).
-// HUMMING_JAX_PREFILL_MIXED=0 sends the calls Kind::kU4Bf16 takes back to the dequantizing path
-// (read at each call here, and when the call is traced by humming_jax/ops/gemm.py, which then
+// HUMMING_JAX_PREFILL_MIXED=0 sends the calls the mixed-input kinds take back to the decode kernel
+// or the dequantizing path (read at each call here, and when the call is traced by humming_jax/ops/gemm.py, which then
 // requests the dequantization buffer instead of the transposed scales).
 constexpr int64_t kMinRowsPerExpert = 32;
 constexpr int64_t kWideRowsPerExpert16 = 64;
@@ -78,8 +78,8 @@ constexpr int64_t kWideRowsPerExpertFp8 = 128;
 constexpr int64_t kMixedTileK = 64;
 constexpr int64_t kWideRowsPerExpertMixed = 128;
 // From this many rows per expert the mixed-input kind runs on 256-token tiles; measured on the H200
-// at 256-4096 rows per expert, 1.02-1.29x faster than the 128-token tiles at 256 and than the
-// dequantizing path above (benchmarks/NOTES.md, v9).
+// 1.18-1.29x faster than the 128-token tiles at 256 rows per expert, and 1.01-1.19x faster than the
+// dequantizing path at 1024-4096 (benchmarks/NOTES.md, v9).
 constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The device the call runs on, as the dispatch needs it (cached per device).

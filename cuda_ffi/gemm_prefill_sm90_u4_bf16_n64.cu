@@ -2,7 +2,7 @@
 // of few rows (32 to 127 on average; gemm_prefill_sm90_mixed.cuh): tiles of 128 weight rows x 64
 // token rows x 64 k, so an expert of 32-64 rows streams its codes once through one half-full tile
 // instead of a quarter-full 128-token one. No clusters: at 32-64 rows per expert they measured
-// 1-3% slower than single CTAs (benchmarks/NOTES.md, v9).
+// 0-3% slower than single CTAs (benchmarks/NOTES.md, v9).
 #include "gemm_prefill_sm90_mixed.cuh"
 
 namespace hj {

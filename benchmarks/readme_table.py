@@ -44,7 +44,10 @@ def section(files: list[Path], root: Path) -> str:
         "and scale bytes for M ≤ 128, TFLOP/s for M ≥ 1024. The torch peers are timed by CUDA events "
         "around graph replays; our systems and `ragged_dot` either by the wall clock or, as each run "
         "says below, by their GPU activity in a profiler trace (gaps over 10 µs, where the GPU waits "
-        "for the host's dispatch, left out; the rows keep the wall-clock medians).",
+        "for the host's dispatch, left out; the rows keep the wall-clock medians). A wall-clock sample "
+        "starts from an idle GPU while the torch samples run back to back behind a full queue, so at "
+        "points of one or two calls per sample the wall clock counts ours 3-7% above the trace of the "
+        "same samples (`benchmarks/NOTES.md`, v9, timer check): the ratios below do not remove that.",
         "",
         "Runs (ceilings measured in each):",
     ]

@@ -303,8 +303,8 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
     assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
     if kind == "tail":
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
-    # The same w' through the dequantizing path and the bf16 kernel (below 128 rows per expert for 4-bit codes: the
-    # decode kernel): equal up to accumulation order.
+    # The same w' through the dequantizing path and the bf16 kernel (below 128 rows per expert for
+    # 4-bit codes: the decode kernel): equal up to accumulation order.
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
     dequantizing = rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * e
     assert (gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) > 0) == dequantizing
@@ -362,7 +362,7 @@ def test_prefill_quantized_weights_are_exact(rng, monkeypatch, scheme, dtype, kd
     # 4-bit codes are dequantized from 128 rows per expert, 8-bit ones from 64.
     p = _gemm_inputs(rng, scheme, 1024 if scheme.startswith("w4") else 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
     rows = p["a"].shape[0]
-    assert rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * 8 or mixed
+    assert rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * 8
     hot = np.zeros((rows, kdim), np.float32)
     hot[np.arange(rows), (np.arange(rows) * 7 + int(rng.integers(kdim))) % kdim] = 1.0
     p["a"] = jax.device_put(jnp.asarray(hot, dtype), GPU)

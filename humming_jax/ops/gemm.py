@@ -106,16 +106,22 @@ DEQUANT_MIN_ROWS_PER_EXPERT_4BIT = 128
 ENV_QUANT_DECODE_ROWS = "HUMMING_JAX_QUANT_DECODE_ROWS"
 
 
+def _env_int(name: str, what: str) -> int | None:
+    """The whole number in environment variable ``name`` (None when unset or empty)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} = {raw!r} is not {what}") from None
+
+
 def dequant_min_rows_per_expert(w: PackedWeight) -> int:
     """Rows per expert (on average) from which ``w`` is dequantized for the prefill kernel."""
-    raw = os.environ.get(ENV_QUANT_DECODE_ROWS, "")
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_QUANT_DECODE_ROWS} = {raw!r} is not a whole number") from None
-        if value > 0:
-            return value
+    override = _env_int(ENV_QUANT_DECODE_ROWS, "a whole number")
+    if override is not None and override > 0:
+        return override
     if w.wtype in (WeightType.UINT4, WeightType.FP4_E2M1):
         return DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
     return DEQUANT_MIN_ROWS_PER_EXPERT
@@ -167,11 +173,9 @@ def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantiz
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
             or e <= 0 or rows < dequant_min_rows_per_expert(w) * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
         return 0
-    raw = os.environ.get(ENV_DEQUANT_WORKSPACE_MB, "") or str(DEQUANT_WORKSPACE_MB_DEFAULT)
-    try:
-        budget_mb = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_DEQUANT_WORKSPACE_MB} = {raw!r} is not a whole number of MiB") from None
+    budget_mb = _env_int(ENV_DEQUANT_WORKSPACE_MB, "a whole number of MiB")
+    if budget_mb is None:
+        budget_mb = DEQUANT_WORKSPACE_MB_DEFAULT
     if budget_mb <= 0:
         return 0
     per_expert = n * k * 2

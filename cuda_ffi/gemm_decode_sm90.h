@@ -16,7 +16,8 @@ namespace decode {
 // Runs the weight-streaming decode kernel when the call is a decode problem it supports
 // (*launched = true) and otherwise leaves it to the generic kernel (*launched = false). Decided on
 // the host from shapes and attributes only: indexed with block_m <= 16, grouped with at most 16
-// rows per local expert on average, batched with T <= 16; 16-byte aligned rows; scale groups that
+// rows per local expert on average (quantized weights with 16-bit activations: up to
+// quant_decode_rows_per_expert), batched with T <= 16; 16-byte aligned rows; scale groups that
 // fit the kernel's chunks; a compute capability 9.0 device. HUMMING_JAX_DECODE=0 turns it off,
 // HUMMING_JAX_DECODE_LOG=1 prints each decision to stderr.
 Error launch_decode(const std::string& call, const gemm::GemmLaunch& L, cudaStream_t stream, bool* launched);

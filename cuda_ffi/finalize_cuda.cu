@@ -4,6 +4,8 @@
 // the caller's `out`, and every element of it is written.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 
@@ -19,11 +21,17 @@ __device__ __forceinline__ uint32_t float_to_half(float v) {
   return T == ElemType::kF16 ? float_to_f16(v) : float_to_bf16(v);
 }
 
-// Each thread owns V consecutive columns of one token.
+// Each thread owns V consecutive columns of one token. The top-k entries go in chunks of kJ: the
+// chunk's source rows and weights are loaded first, then all of its row loads are issued, then
+// they are accumulated in entry order. At decode sizes (one block) the kernel is a chain of
+// dependent loads, and loading entry by entry made it k round trips long instead of two per chunk.
+constexpr int kJ = 8;
+
 template <ElemType T, int V>
 __global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
                                 const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
                                 int64_t k, int64_t Rd) {
+  using Vec = std::conditional_t<V == 8, uint4, uint16_t>;
   const int64_t per_row = H / V;
   const int64_t n = M * per_row;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
@@ -32,19 +40,38 @@ __global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __r
     float acc[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) acc[v] = 0.0f;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t row = src[t * k + j];
-      if (row < 0 || row >= Rd) continue;
-      const float wj = w[t * k + j];
-      const uint16_t* dr = d + row * H + h0;
-      if constexpr (V == 8) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(dr);
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int64_t j0 = 0; j0 < k; j0 += kJ) {
+      int64_t row[kJ];
+      float wj[kJ];
 #pragma unroll
-        for (int v = 0; v < 8; ++v) acc[v] += wj * half_to_float<T>(words[v >> 1] >> (16 * (v & 1)));
-      } else {
+      for (int u = 0; u < kJ; ++u) {
+        const bool in = j0 + u < k;
+        row[u] = in ? src[t * k + j0 + u] : -1;
+        wj[u] = in ? w[t * k + j0 + u] : 0.0f;
+      }
+      Vec raw[kJ][V == 8 ? 1 : V];
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc[v] += wj * half_to_float<T>(dr[v]);
+      for (int u = 0; u < kJ; ++u) {
+        if (row[u] < 0 || row[u] >= Rd) continue;  // padding, remote or out of range: skipped
+        const uint16_t* dr = d + row[u] * H + h0;
+        if constexpr (V == 8) {
+          raw[u][0] = *reinterpret_cast<const uint4*>(dr);
+        } else {
+#pragma unroll
+          for (int v = 0; v < V; ++v) raw[u][v] = dr[v];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kJ; ++u) {
+        if (row[u] < 0 || row[u] >= Rd) continue;
+        if constexpr (V == 8) {
+          const uint32_t words[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
+#pragma unroll
+          for (int v = 0; v < 8; ++v) acc[v] += wj[u] * half_to_float<T>(words[v >> 1] >> (16 * (v & 1)));
+        } else {
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[v] += wj[u] * half_to_float<T>(raw[u][v]);
+        }
       }
     }
     if constexpr (V == 8) {

@@ -14,7 +14,12 @@
 // Every block also writes its share of the tail past the used rows. Cost: each block reads all M*k
 // entries twice (counting, then placement), 16 entries per lane in flight (these reads hit L2
 // after the first block).
+// Calls of at most 32 entries (decode) take routing_small_kernel instead: one warp, one entry
+// per lane, no histogram and no block-wide scan.
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
@@ -236,6 +241,78 @@ __global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a
     for (int b = total / bm + tid; b < a.num_blocks; b += stride) a.blocks[b] = -1;
 }
 
+// Decode sizes (at most 32 entries): one block per expert would spend the call on its barriers
+// and scans, so warp 0 of a single pass holds one entry per lane. Ranks within an expert come
+// from __match_any_sync (lanes in entry order), an expert's start from a 32-step shuffle sum over
+// the lanes (each expert's padded count taken once, from its first lane). Every block repeats
+// that warp's work (at most 32 loads) so that all of them know the total for their share of the
+// tails; block 0 alone writes the entries.
+constexpr int kSmallEntries = 32;
+constexpr int kSmallThreads = 512;
+
+template <bool kIndexed>
+__global__ void __launch_bounds__(kSmallThreads) routing_small_kernel(RoutingArgs a) {
+  __shared__ int s_l[kSmallEntries];
+  __shared__ int s_total;
+  const int bm = kIndexed ? a.block_m : 1;
+  if (threadIdx.x < 32) {
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x;
+    const int l = lane < a.entries ? local_expert(__ldg(a.ids + lane), a.map, a.num_global, a.num_local) : -2;
+    const unsigned peers = __match_any_sync(full, l);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    const int count = __popc(peers);
+    const bool first = l >= 0 && rank == 0;
+    const int padded = (count + bm - 1) / bm * bm;
+    int start = 0, total = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int lj = __shfl_sync(full, l, j);
+      if constexpr (kIndexed) {
+        const int pj = __shfl_sync(full, first ? padded : 0, j);  // nonzero only at first lanes
+        total += pj;
+        start += lj < l ? pj : 0;
+      } else {
+        total += lj >= 0;
+        start += lj >= 0 && lj < l;
+      }
+    }
+    s_l[lane] = l;
+    if (lane == 0) s_total = total;
+    if (blockIdx.x == 0) {
+      if (l >= 0) {
+        const int pos = start + rank;
+        a.order[pos] = lane;
+        a.src[lane] = kIndexed ? lane : pos;
+      } else if (l == -1) {
+        a.src[lane] = -1;
+      }
+      if constexpr (kIndexed) {
+        if (first) {
+          for (int p = start + count; p < start + padded; ++p) a.order[p] = a.entries;
+          for (int b = start / bm; b < (start + padded) / bm; ++b) a.blocks[b] = l;
+        }
+        if (lane == 0) *a.ntpp = total;
+      } else {
+        if (lane == 0) a.offsets[a.num_local] = total;
+      }
+    }
+  }
+  __syncthreads();
+  const int total = s_total;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  for (int p = total + tid; p < a.order_len; p += stride) a.order[p] = kIndexed ? a.entries : -1;
+  if constexpr (kIndexed) {
+    for (int b = total / bm + tid; b < a.num_blocks; b += stride) a.blocks[b] = -1;
+  } else {
+    const int n = min(a.entries, kSmallEntries);
+    for (int e = tid; e < a.num_local; e += stride) {
+      int below = 0;
+      for (int j = 0; j < n; ++j) below += s_l[j] >= 0 && s_l[j] < e;
+      a.offsets[e] = below;
+    }
+  }
+}
+
 // The fields both layouts take from the inputs; the caller adds its outputs.
 RoutingArgs routing_inputs(const RoutingShape& s, const AnyBuffer& topk_ids, const AnyBuffer& expert_map) {
   RoutingArgs a{};
@@ -247,8 +324,23 @@ RoutingArgs routing_inputs(const RoutingShape& s, const AnyBuffer& topk_ids, con
   return a;
 }
 
+// HUMMING_JAX_ROUTING_SMALL=0 keeps calls of at most 32 entries on the per-expert kernel (A/B).
+bool small_routing_enabled() {
+  const char* v = std::getenv("HUMMING_JAX_ROUTING_SMALL");
+  return !(v && v[0] == '0' && v[1] == '\0');
+}
+
 Error launch_routing(const std::string& call, cudaStream_t stream, const RoutingShape& s, bool indexed,
                      RoutingArgs args) {
+  if (args.entries <= kSmallEntries && small_routing_enabled()) {
+    const int64_t work = std::max<int64_t>(args.order_len, indexed ? args.num_blocks : s.num_local);
+    const unsigned grid = grid_for(work, kSmallThreads, 1024);
+    if (indexed)
+      routing_small_kernel<true><<<grid, kSmallThreads, 0, stream>>>(args);
+    else
+      routing_small_kernel<false><<<grid, kSmallThreads, 0, stream>>>(args);
+    return launch_status(call, "routing_small_kernel");
+  }
   if (indexed && s.num_local > kMaxHistExperts)
     return invalid(call, "at most " + std::to_string(kMaxHistExperts) + " local experts are supported");
   if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");

@@ -85,6 +85,12 @@ ROUTING_CASES = [
     (5000, 6, 300, 256, 32, 0.1),
     (2048, 4, 10000, 64, 16, 0.1),  # an expert map too long to stage in shared memory
     (64, 2, 8000, 5000, 16, 0.0),  # staged map + histogram beyond 48 KB of shared memory
+    # At most 32 entries: the single-warp kernel (routing_small_kernel); 33: the per-expert one.
+    (16, 2, 8, 8, 16, 0.1),
+    (11, 3, 8, 8, 16, 0.1),
+    (4, 8, 300, 256, 32, 0.1),
+    (2, 8, 10000, 5000, 128, 0.25),  # tails of ~640k rows over many blocks
+    (3, 4, 6, 6, 1, 0.0),
 ]
 
 
@@ -97,6 +103,13 @@ def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
     cg, gg = both(lambda i, e: routing_ops.routing_grouped(i, e, e_local), ids, emap)
     for name, c, g in zip(routing_ops.GroupedRouting._fields, cg, gg):
         np.testing.assert_array_equal(g, c, err_msg=f"grouped {name}")
+
+
+@pytest.mark.parametrize("m,k,e_global,e_local,block_m,pad", [c for c in ROUTING_CASES if c[0] * c[1] <= 32])
+def test_routing_per_expert_kernel_at_decode_sizes(rng, monkeypatch, m, k, e_global, e_local, block_m, pad):
+    """HUMMING_JAX_ROUTING_SMALL=0 keeps the per-expert kernel at decode sizes: it must agree too."""
+    monkeypatch.setenv("HUMMING_JAX_ROUTING_SMALL", "0")
+    test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad)
 
 
 @pytest.mark.parametrize("cols,dtype", [(64, jnp.bfloat16), (33, jnp.bfloat16), (7, jnp.float16),

@@ -332,6 +332,7 @@ bool small_routing_enabled() {
 
 Error launch_routing(const std::string& call, cudaStream_t stream, const RoutingShape& s, bool indexed,
                      RoutingArgs args) {
+  if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");
   if (args.entries <= kSmallEntries && small_routing_enabled()) {
     const int64_t work = std::max<int64_t>(args.order_len, indexed ? args.num_blocks : s.num_local);
     const unsigned grid = grid_for(work, kSmallThreads, 1024);
@@ -343,7 +344,6 @@ Error launch_routing(const std::string& call, cudaStream_t stream, const Routing
   }
   if (indexed && s.num_local > kMaxHistExperts)
     return invalid(call, "at most " + std::to_string(kMaxHistExperts) + " local experts are supported");
-  if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");
   const bool shared_map = s.num_global <= kMaxSharedMap;
   const size_t smem = ((shared_map ? s.num_global : 0) + (indexed ? s.num_local : 0)) * sizeof(int);
   if (smem > 48 * 1024) {

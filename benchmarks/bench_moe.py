@@ -19,10 +19,12 @@ have no routing kernel, so theirs starts from rows sorted outside) and "gemms" (
 Timing: jitted with XLA command buffers for fusions and custom calls (the flags below are set
 before JAX starts and recorded); R input sets rotated inside one executable when one set's touched
 weights would fit in the 50 MB L2; median of --repeats samples (see jax_systems / torch_peers).
---timer device times each JAX sample by its GPU activity in a profiler trace instead of the wall
-clock, leaving out the GPU's waits for the host's dispatch; the wall-clock medians and the gaps left
-out are kept in each row (wall_median_ms, gap_median_ms). It is not the default: its agreement with
-the peers' event timing at GPU-bound points is still to be shown (benchmarks/NOTES.md, v8).
+On a GPU each JAX sample is timed by its GPU activity in a profiler trace (--timer device, the
+default there), leaving out the GPU's waits for the host's dispatch; the wall-clock medians and the
+gaps left out are kept in each row (wall_median_ms, gap_median_ms). That is the figure to set
+beside the peers' CUDA events: a wall-clock sample starts from an idle GPU, which the event-timed
+replays behind a full queue do not (benchmarks/NOTES.md, v9 timer check). --timer wall keeps the
+host clock (the only timer on the CPU).
 Units: TB/s over touched expert bytes (weights + scales) for M <= 128, TFLOP/s for M >= 1024.
 
 Output: JSON in BENCH.md's result format (--out; default benchmarks/results/h200/
@@ -83,8 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(by default: humming_jax layer+gemms, classes layer, batched gemms, ragged_dot layer, "
                         "torch layer+gemms, humming-kernels gemms)")
     p.add_argument("--repeats", type=int, default=20, help="timed samples per measurement (BENCH.md: >= 20)")
-    p.add_argument("--timer", choices=("wall", "device"), default="wall",
-                   help="JAX systems' samples: wall clock, or GPU time from a profiler trace (GPU only)")
+    p.add_argument("--timer", choices=("auto", "wall", "device"), default="auto",
+                   help="JAX systems' samples: wall clock, or GPU time from a profiler trace (GPU only); "
+                        "auto: device on a GPU, wall elsewhere")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls after the compiling one")
     p.add_argument("--sets", type=int, default=0, help="input sets rotated per executable (0: from the L2 rule)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="stop starting new points after this many seconds (0: none)")
@@ -241,6 +244,8 @@ def main(argv=None) -> int:
 
     dev = jax.devices()[0]
     on_gpu = dev.platform in ("gpu", "cuda")
+    if args.timer == "auto":
+        args.timer = "device" if on_gpu else "wall"
     js.TIMER = args.timer
     torch_ok, torch_reason = tpz.status() if any(s in args.system_list for s in TORCH_SYSTEMS) else (False, "not selected")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -60,8 +60,10 @@ def main() -> None:
     # --cpu: the same calls on the CPU backend (checks this script where there is no GPU).
     if "--cpu" not in sys.argv:
         assert hj.cuda_available(), hj._ffi.backend_report()
-    # Routing and permutation, including zero tokens and per-expert padding of block_m = 5.
-    for m, k, eg, el, bm in [(0, 2, 4, 4, 16), (1, 8, 16, 16, 16), (37, 3, 9, 5, 5), (200, 4, 32, 32, 64)]:
+    # Routing and permutation, including zero tokens and per-expert padding of block_m = 5; up to
+    # 32 entries the single-warp routing kernel, above it the per-expert one.
+    for m, k, eg, el, bm in [(0, 2, 4, 4, 16), (1, 8, 16, 16, 16), (16, 2, 9, 5, 5), (37, 3, 9, 5, 5),
+                             (200, 4, 32, 32, 64)]:
         ids, emap = random_routing(rng, m, k, eg, el, 0.1)
         run(lambda i, e: routing_ops.routing_indexed(i, e, el, bm), ids, emap)
         run(lambda i, e: routing_ops.routing_grouped(i, e, el), ids, emap)

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "ffi_common.h"
@@ -19,6 +20,14 @@ inline Error launch_status(const std::string& call, const char* kernel) {
     return Error::Internal("humming_jax." + call + ": launching " + kernel + " failed: " + cudaGetErrorName(e) +
                            " (" + cudaGetErrorString(e) + ")");
   return Error::Success();
+}
+
+// A run-time switch read from the environment at each call (so tests and A/B timings can flip it
+// in one process): `unset` when absent or empty, off for exactly "0", on for anything else.
+inline bool env_flag(const char* name, bool unset) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return unset;
+  return !(v[0] == '0' && v[1] == '\0');
 }
 
 // Blocks for a grid-stride loop over `work` items: enough to fill the device, never zero work.

@@ -43,16 +43,18 @@ __global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __r
     for (int64_t j0 = 0; j0 < k; j0 += kJ) {
       int64_t row[kJ];
       float wj[kJ];
+      bool ok[kJ];  // padding, remote or out of range: skipped
 #pragma unroll
       for (int u = 0; u < kJ; ++u) {
         const bool in = j0 + u < k;
         row[u] = in ? src[t * k + j0 + u] : -1;
         wj[u] = in ? w[t * k + j0 + u] : 0.0f;
+        ok[u] = row[u] >= 0 && row[u] < Rd;
       }
       Vec raw[kJ][V == 8 ? 1 : V];
 #pragma unroll
       for (int u = 0; u < kJ; ++u) {
-        if (row[u] < 0 || row[u] >= Rd) continue;  // padding, remote or out of range: skipped
+        if (!ok[u]) continue;
         const uint16_t* dr = d + row[u] * H + h0;
         if constexpr (V == 8) {
           raw[u][0] = *reinterpret_cast<const uint4*>(dr);
@@ -63,7 +65,7 @@ __global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __r
       }
 #pragma unroll
       for (int u = 0; u < kJ; ++u) {
-        if (row[u] < 0 || row[u] >= Rd) continue;
+        if (!ok[u]) continue;
         if constexpr (V == 8) {
           const uint32_t words[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
 #pragma unroll

@@ -29,12 +29,6 @@ constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
 constexpr int64_t kMaxRowsPerExpertQuant4Grouped = 128;
 constexpr int64_t kSmemReservedPerCta = 1024 + kStaticSmemReserve;  // + the kernel's static shared memory
 
-bool env_flag(const char* name, bool unset) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return unset;
-  return !(v[0] == '0' && v[1] == '\0');
-}
-
 // Compute capability and SM count of the current device (host queries, allowed under capture).
 bool device_info(int* major, int* minor, int* sms) {
   int dev = 0;

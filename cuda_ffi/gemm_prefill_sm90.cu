@@ -26,18 +26,12 @@ std::atomic<uint64_t> g_launches{0};
 
 // HUMMING_JAX_PREFILL=0 turns the path off at run time (read at each call, so a test or a
 // benchmark can compare with the generic kernel in one process).
-bool disabled_by_env() {
-  const char* v = std::getenv("HUMMING_JAX_PREFILL");
-  return v != nullptr && std::strcmp(v, "0") == 0;
-}
+bool disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL", true); }
 
 // HUMMING_JAX_PREFILL_MIXED=0: the calls Kind::kU4Bf16 takes go to the dequantizing path instead
 // (read at each call, for A/B measurements; humming_jax/ops/gemm.py reads it when tracing to size
 // the workspace for the path taken).
-bool mixed_disabled_by_env() {
-  const char* v = std::getenv("HUMMING_JAX_PREFILL_MIXED");
-  return v != nullptr && std::strcmp(v, "0") == 0;
-}
+bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", true); }
 
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).

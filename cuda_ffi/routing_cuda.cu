@@ -19,7 +19,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
@@ -324,16 +323,11 @@ RoutingArgs routing_inputs(const RoutingShape& s, const AnyBuffer& topk_ids, con
   return a;
 }
 
-// HUMMING_JAX_ROUTING_SMALL=0 keeps calls of at most 32 entries on the per-expert kernel (A/B).
-bool small_routing_enabled() {
-  const char* v = std::getenv("HUMMING_JAX_ROUTING_SMALL");
-  return !(v && v[0] == '0' && v[1] == '\0');
-}
-
 Error launch_routing(const std::string& call, cudaStream_t stream, const RoutingShape& s, bool indexed,
                      RoutingArgs args) {
   if (s.num_global > INT32_MAX) return invalid(call, "expert_map is too long");
-  if (args.entries <= kSmallEntries && small_routing_enabled()) {
+  // HUMMING_JAX_ROUTING_SMALL=0 keeps calls of at most 32 entries on the per-expert kernel (A/B).
+  if (args.entries <= kSmallEntries && env_flag("HUMMING_JAX_ROUTING_SMALL", true)) {
     const int64_t work = std::max<int64_t>(args.order_len, indexed ? args.num_blocks : s.num_local);
     const unsigned grid = grid_for(work, kSmallThreads, 1024);
     if (indexed)

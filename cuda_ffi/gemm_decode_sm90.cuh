@@ -226,6 +226,15 @@ __device__ __forceinline__ uint32_t e2m1_bits(uint32_t q) {
   return and_or(shift_left<MB - 4 * P>(q), mag_mask, sign);
 }
 
+// e8m0 scale s as bf16 factors of e2m1 * 2^-126 (e2m1_bits<P, 6>): 2^(s - 1) = 2^126 * 2^(s - 127) in
+// one factor when s <= 128, else 2^127 and 2^(s - 128) (no factor may overflow); s = 255 is NaN, as
+// e8m0_to_float says. Every product is exact when representable (e2m1 has two significant bits).
+__device__ __forceinline__ void fp4_factors(uint32_t s, uint32_t& f1, uint32_t& f2, bool& two) {
+  two = s > 128u && s != 255u;
+  f1 = (s <= 128u ? (s + 126u) << 7 : (s == 255u ? 0x7fc0u : 0x7f00u)) * 0x10001u;
+  f2 = two ? ((s - 1u) << 7) * 0x10001u : 0x3f803f80u;
+}
+
 template <int P>
 __device__ __forceinline__ uint32_t fp4_code_pair(uint32_t q) {
   return hmul2<true>(e2m1_bits<P, 9>(q), 0x74007400u);  // * 2^14
@@ -488,14 +497,6 @@ struct Kern {
     }
   }
 
-  // e8m0 scale s as bf16 factors of e2m1 * 2^-126: 2^(s - 1) = 2^126 * 2^(s - 127) in one factor
-  // when s <= 128, else 2^127 and 2^(s - 128) (no factor may overflow); s = 255 is NaN, as
-  // e8m0_to_float says. Every product is exact when representable (e2m1 has two significant bits).
-  static __device__ __forceinline__ void fp4_factors(uint32_t s, uint32_t& f1, uint32_t& f2, bool& two) {
-    two = s > 128u && s != 255u;
-    f1 = (s <= 128u ? (s + 126u) << 7 : (s == 255u ? 0x7fc0u : 0x7f00u)) * 0x10001u;
-    f2 = two ? ((s - 1u) << 7) * 0x10001u : 0x3f803f80u;
-  }
 
   // Activation codes (8-bit) as f16 pairs.
   template <int P>

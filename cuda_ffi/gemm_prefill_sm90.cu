@@ -33,6 +33,10 @@ bool disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL", true); }
 // the workspace for the path taken).
 bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", true); }
 
+// HUMMING_JAX_PREFILL_FP4=0: the calls the MXFP4 kinds take go back to the decode kernel and the
+// dequantizing path (read at each call; humming_jax/ops/gemm.py reads it when tracing).
+bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); }
+
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
 int tile_rows_from_env() {
@@ -77,6 +81,8 @@ const char* kind_name(Kind k) {
     case Kind::kU4Bf16: return "u4-bf16";
     case Kind::kU4Bf16N64: return "u4-bf16-n64";
     case Kind::kU4Bf16N256: return "u4-bf16-n256";
+    case Kind::kFp4Bf16: return "fp4-bf16";
+    case Kind::kFp4Bf16N128: return "fp4-bf16-n128";
     default: return "none";
   }
 }
@@ -123,6 +129,18 @@ bool mixed_input_fits(const GemmProblem& p, int64_t R) {
          w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
 }
 
+// MXFP4 weights (e2m1 codes, e8m0 scales per 1 x 32, nothing else) with bf16 activations and
+// output, kMinRowsPerExpert to below kFp4MaxRowsPerExpert rows per expert: the MXFP4 kinds. K a
+// multiple of their 64-k tile, N of 8 (16-byte output chunks), the tile list within a grid column.
+bool fp4_fits(const GemmProblem& p, int64_t R) {
+  const WeightView& w = p.w;
+  return w.type == WeightType::kFp4E2M1 && w.zero == nullptr && w.scale2 == nullptr &&
+         w.scale_type == ElemType::kE8M0 && w.scale != nullptr && w.group_n == 1 && w.group_k == 32 &&
+         p.a.type == ElemType::kBF16 && !p.a.quantized() && p.c_type == ElemType::kBF16 && p.K % 64 == 0 &&
+         p.N % 8 == 0 && R >= kMinRowsPerExpert * w.E && R < kFp4MaxRowsPerExpert * w.E &&
+         (R + 63) / 64 + w.E + 1 <= 65535;
+}
+
 Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   const WeightView& w = p.w;
   const int64_t E = w.E, N = p.N, K = p.K;
@@ -142,6 +160,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
   }
+  if (!fp4_disabled_by_env() && fp4_fits(p, R)) return Kind::kFp4Bf16;
   if (!mixed_disabled_by_env() && mixed_input_fits(p, R)) return Kind::kU4Bf16;
   // Quantized weights, 16-bit activations: dequantized chunks through the 16-bit kernel.
   if (!p.a.quantized() && p.c_type == p.a.type && (w.group_k % 8 == 0 || w.group_k >= K) && w.group_n >= 1) {
@@ -162,6 +181,8 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   const Kind wide = choose_wide(p, R, dev);
   if (wide == Kind::kNone) return wide;
   const int forced = tile_rows_from_env();
+  if (wide == Kind::kFp4Bf16)
+    return forced == 128 || (forced == 0 && R >= kFp4TallRowsPerExpert * p.w.E) ? Kind::kFp4Bf16N128 : wide;
   if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
     return Kind::kU4Bf16N256;
   if (forced == 128 || forced == 256) return wide;
@@ -171,6 +192,18 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   if (forced == 64 || R < wide_from * p.w.E) return narrow_kind(wide);
   return wide;
 }
+
+namespace {
+bool is_fp4(Kind k) { return k == Kind::kFp4Bf16 || k == Kind::kFp4Bf16N128; }
+
+// What a launch of args.kind needs of the workspace.
+size_t needed_bytes(const GroupedArgs& args, const DeviceInfo& dev) {
+  if (is_fp4(args.kind)) return fp4_workspace_bytes(args.R, args.K, args.E);
+  size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
+  if (wide_kind(args.kind) == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
+  return need;
+}
+}  // namespace
 
 size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
   size_t n = 0;
@@ -190,8 +223,7 @@ size_t workspace_bytes(Kind kind, int64_t E, int sm_count) {
 }
 
 Error run_grouped(const std::string& call, const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream) {
-  size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
-  if (wide_kind(args.kind) == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
+  const size_t need = needed_bytes(args, dev);
   if (args.workspace == nullptr || args.workspace_bytes < need)
     return invalid(call, "the workspace result holds " + std::to_string(args.workspace_bytes) + " bytes; the " +
                              kind_name(args.kind) + " prefill kernel needs " + std::to_string(need) + " for E = " +
@@ -212,6 +244,8 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16: err = run_u4_bf16(a, dev, stream); break;
     case Kind::kU4Bf16N64: err = run_u4_bf16_n64(a, dev, stream); break;
     case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
+    case Kind::kFp4Bf16:
+    case Kind::kFp4Bf16N128: err = run_fp4_bf16(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())
@@ -267,6 +301,8 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (wide_kind(kind) == Kind::kU4Bf16 &&
       ws_bytes < workspace_bytes(kind, p.w.E, dev.sm_count) + mixed_scale_bytes(p.w.E, p.N, p.w.scale_cols()))
     kind = Kind::kBf16;
+  // Likewise for the MXFP4 kinds' permuted activations (traced with HUMMING_JAX_PREFILL_FP4=0).
+  if (is_fp4(kind) && ws_bytes < fp4_workspace_bytes(R, p.K, p.w.E)) kind = Kind::kBf16;
   GroupedArgs g;
   g.kind = kind;
   g.a = p.a.data;

@@ -73,11 +73,13 @@ def _assert_close(got, want, dtype, what, tol=None):
 # kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below 64 rows per
 # expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); uint4 codes
 # without zero points with bf16 group scales and bf16 activations from 32 rows per expert on the
-# mixed-input kernels (64-token tiles below 128 rows, 256-token tiles from 256), other quantized
+# mixed-input kernels (64-token tiles below 128 rows, 256-token tiles from 256), mxfp4 with bf16
+# activations from 32 up to 767 rows per expert on the MXFP4 kernel (64-token tiles below 128 rows),
+# other quantized
 # weights with 16-bit activations dequantized first, from 64 rows per expert for 8-bit codes and
 # from 128 for 4-bit ones;
-# HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 gives the mixed-input calls to the
-# decode kernel or the dequantizing path.
+# HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 (HUMMING_JAX_PREFILL_FP4=0) gives the
+# mixed-input (MXFP4) calls to the decode kernel or the dequantizing path.
 # ================================================================================================
 _PREFILL_LAUNCHES = _ffi.launch_counter("HjPrefillLaunches") if GPU is not None else None
 _SM90 = GPU is not None and str(getattr(GPU, "compute_capability", "")) == "9.0"
@@ -314,6 +316,70 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
     _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
 
 
+FP4_CASES = [
+    # M tokens, top-k, E, N, K, routing, bias. Below kFp4TallRowsPerExpert = 128 rows per expert:
+    # tiles of 256 weight rows x 64 tokens; from it, 128 x 128.
+    (256, 2, 8, 384, 512, "uniform", True),  # 64 rows per expert
+    (128, 2, 8, 384, 512, "uniform", False),  # 32, the least the kind takes (else the decode kernel's)
+    (192, 2, 8, 264, 384, "tail", True),  # 48; N not a multiple of the tile; rows past off[E]
+    (512, 8, 64, 384, 640, "zero_rows", True),  # 64 on average, ~190 on the used experts: several tiles each
+    (256, 2, 8, 200, 192, "uniform", False),  # K = 3 tiles (an odd count), N = 200
+    (1024, 2, 8, 200, 192, "uniform", True),  # 256 rows per expert: 128-token tiles
+    (2048, 2, 8, 768, 512, "uniform", True),  # 512 rows per expert
+    (1024, 4, 16, 264, 384, "tail", False),  # 256 rows per expert with rows past off[E]
+    (1024, 1, 8, 256, 1152, "one_expert", True),  # 1024 rows on one expert, none on the rest
+]
+
+
+@requires_prefill
+@pytest.mark.parametrize("m,k,e,n,kdim,kind,bias", FP4_CASES)
+def test_prefill_mxfp4_matches_cpu_and_the_other_paths(rng, monkeypatch, m, k, e, n, kdim, kind, bias):
+    """MXFP4 weights with bf16 activations from 32 rows per expert: the in-register e2m1 kind runs
+    (one launch, no dequantization buffer), equal to the CPU, rows past off[E] zero; and equal up to
+    accumulation order to the decode kernel or the dequantizing path (HUMMING_JAX_PREFILL_FP4=0)."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4, raising=False)
+    p = _gemm_inputs(rng, "w4a16-mxfp4", m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16)
+    rows, what = p["a"].shape[0], f"mxfp4 {kind} M={m} E={e} N={n} K={kdim} bias={bias}"
+    assert gemm_ops.fp4_prefill(rows, p["w"], jnp.bfloat16, False)
+    assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) == 0
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, "the MXFP4 prefill kernel did not run"
+    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
+    last = int(np.asarray(p["off"])[-1])
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+    if kind == "tail":
+        assert last < got.shape[0], "the tail case must leave rows past off[E]"
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4, "0")
+    assert gemm_ops.fp4_workspace_bytes(rows, p["w"], jnp.bfloat16, False) == 0
+    dequantizing = rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * e
+    with _LaunchCount(_PREFILL_LAUNCHES) as other:
+        again = _run_gemm(GPU, p)
+    assert other.count == int(dequantizing), "HUMMING_JAX_PREFILL_FP4=0 must give the call back"
+    _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
+
+
+@requires_prefill
+@pytest.mark.parametrize("m", [256, 1024])  # 64-token and 128-token tiles
+def test_prefill_mxfp4_extreme_scales_match_cpu_per_column(rng, monkeypatch, m):
+    """e8m0 scales at the edges of the in-register conversion: 2^-127 (s = 0, subnormal w'), the
+    largest single factor (s = 128) and the two-factor case (s > 128), checked column by column
+    (each output column is one weight row with its own scales)."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4, raising=False)
+    e, n, kdim = 8, 256, 256
+    w = _custom_weight(rng, WeightType.FP4_E2M1, e, n, kdim, 32, np.uint8,
+                       scale_values=np.array([0, 1, 100, 127, 128, 129, 140, 160], np.uint8))
+    p = _gemm_inputs(rng, "w4a16-mxfp4", m, 2, e, n, kdim, "uniform", dtype=jnp.bfloat16, weight=w)
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1
+    want = _run_gemm(CPU, p, poison=False)
+    assert np.all(np.isfinite(got))
+    for col in np.nonzero(np.abs(want).max(axis=0) > 0)[0]:
+        np.testing.assert_allclose(got[:, col], want[:, col], rtol=2e-2, atol=2e-2 * np.abs(want[:, col]).max(),
+                                   err_msg=f"column {col}")
+
+
 @requires_prefill
 @pytest.mark.parametrize(
     "what,make",
@@ -346,6 +412,9 @@ def test_prefill_mixed_input_declines_to_the_dequantizing_path(rng, what, make):
     # int4 with bf16 scales and activations: the mixed-input kind's in-register w', and the
     # dequantizing path's (HUMMING_JAX_PREFILL_MIXED=0)
     ("w4a16-int4-g128", jnp.bfloat16, 256, True), ("w4a16-int4-g128", jnp.bfloat16, 256, False),
+    # mxfp4 with bf16 activations: the MXFP4 kind's in-register w' (K = 3 and 4 tiles), and the
+    # dequantizing path's (HUMMING_JAX_PREFILL_FP4=0)
+    ("w4a16-mxfp4", jnp.bfloat16, 256, True), ("w4a16-mxfp4", jnp.bfloat16, 192, True),
     # the dequantizing path: power-of-two groups (the scale column by a shift) of 16, 32, 128, K
     ("w4a16-int4-g128", jnp.float16, 256, False), ("w4a16-uint4-zp-g128", jnp.bfloat16, 256, False),
     ("w4a16-mxfp4", jnp.bfloat16, 256, False), ("w4a16-nvfp4", jnp.bfloat16, 256, False),
@@ -359,6 +428,7 @@ def test_prefill_quantized_weights_are_exact(rng, monkeypatch, scheme, dtype, kd
     exactly, no bias): the prefill paths for quantized weights must give the CPU's w' bit for bit."""
     if not mixed:
         monkeypatch.setenv("HUMMING_JAX_PREFILL_MIXED", "0")
+        monkeypatch.setenv("HUMMING_JAX_PREFILL_FP4", "0")
     # 4-bit codes are dequantized from 128 rows per expert, 8-bit ones from 64.
     p = _gemm_inputs(rng, scheme, 1024 if scheme.startswith("w4") else 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
     rows = p["a"].shape[0]
@@ -424,7 +494,7 @@ def test_prefill_rejects_a_too_small_workspace(rng):
     "scheme,bias,e_global",
     [("bf16", False, None), ("bf16", True, None), ("fp16", False, None), ("w8a8-fp8-block128", False, None),
      ("bf16", False, 16), ("w8a8-fp8-block128", False, 16), ("w4a16-int4-g128", True, None),
-     ("w4a16-int4-g128", False, 16)],
+     ("w4a16-int4-g128", False, 16), ("w4a16-mxfp4", True, None), ("w4a16-mxfp4", False, 16)],
 )
 def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_global):
     layer = random_layer(rng, m=1024, e=8, h=512, i=256, k=2, scheme=scheme, bias=bias, e_global=e_global,
@@ -446,7 +516,7 @@ def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_glo
 
 
 @requires_prefill
-@pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128", "w4a16-int4-g128"])
+@pytest.mark.parametrize("scheme", ["bf16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"])
 def test_prefill_command_buffers_give_the_same_results(tmp_path, scheme):
     """CUDA-graph capture and replay (command buffers on) against plain execution, in fresh
     processes (so the first use of the kernel, with its one-time setup, happens under capture)."""
@@ -644,8 +714,10 @@ def test_decode_takes_quantized_grouped_calls_below_the_dequantizing_threshold(r
     codes, 128 for 4-bit ones) with quantized weights and 16-bit activations: no dequantization
     buffer is requested, the prefill kernel declines and the decode kernel runs items of up to 32
     rows; the result is the CPU's. (int4 with bf16 scales goes to the mixed-input prefill kernel
-    unless HUMMING_JAX_PREFILL_MIXED=0.)"""
+    unless HUMMING_JAX_PREFILL_MIXED=0, mxfp4 with bf16 activations to the MXFP4 prefill kernel unless
+    HUMMING_JAX_PREFILL_FP4=0.)"""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, "0")
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4, "0")
     monkeypatch.setenv("HUMMING_JAX_DECODE_ITEM_ROWS", item_rows)
     p = _gemm_inputs(rng, scheme, m, k, 8, 200, 256, kind, bias=kind == "uniform")  # no room for an expert either
     with _LaunchCount(_PREFILL_LAUNCHES) as prefill, _LaunchCount(_DECODE_LAUNCHES) as decode:

@@ -225,3 +225,43 @@ def test_cpu_takes_any_uint8_workspace_size(rng):
     small = jax.jit(lambda a, w, off: _raw_call(a, w, off, jax.ShapeDtypeStruct((0,), jnp.uint8))[0])(a, w, off)
     full = jax.jit(lambda a, w, off: gemm_ops.gemm_grouped(a, None, w, None, off, out_dtype=jnp.bfloat16))(a, w, off)
     np.testing.assert_array_equal(np.asarray(small, np.float32), np.asarray(full, np.float32))
+
+
+def _mxfp4(rng, e, n, k):
+    codes = jnp.asarray(rng.integers(0, 256, (e, n, k // 2)), jnp.uint8)
+    scale = jnp.asarray(rng.integers(100, 130, (e, n, k // 32)), jnp.uint8)
+    return PackedWeight(codes, scale, wtype=WeightType.FP4_E2M1, k=k, group_n=1, group_k=32)
+
+
+def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
+    """MXFP4 weights with bf16 activations and output from 32 up to below 768 rows per expert: the
+    MXFP4 kernel's tile list and permuted activations (R x K bf16) and no dequantization buffer;
+    HUMMING_JAX_PREFILL_FP4=0 swaps the two (from 128 rows per expert; below, the decode kernel)."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4, raising=False)
+    e, n, k = 8, 384, 512
+    w = _mxfp4(rng, e, n, k)
+    for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
+        assert gemm_ops.fp4_prefill(rows, w, jnp.bfloat16, False), rows
+        tiles = -(-rows // 64) + e + 1
+        assert gemm_ops.fp4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+        assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
+    declined = {
+        "too few rows": (gemm_ops.MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16, jnp.bfloat16),
+        "too many rows": (gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, jnp.bfloat16),
+        "fp16 activations": (256 * e, w, jnp.float16, jnp.float16),
+        "float32 output": (256 * e, w, jnp.bfloat16, jnp.float32),
+        "K not a multiple of 64": (256 * e, _mxfp4(rng, e, n, 480), jnp.bfloat16, jnp.bfloat16),
+        "N not a multiple of 8": (256 * e, _mxfp4(rng, e, 20, k), jnp.bfloat16, jnp.bfloat16),
+        "scale2": (256 * e, PackedWeight(w.data, w.scale, None, jnp.ones((e,), jnp.float32), wtype=WeightType.FP4_E2M1,
+                                         k=k, group_k=32), jnp.bfloat16, jnp.bfloat16),
+        "uint4 codes": (256 * e, _int4(rng, e, n, k, group_k=32), jnp.bfloat16, jnp.bfloat16),
+    }
+    for what, (r, wd, dtype, out) in declined.items():
+        assert not gemm_ops.fp4_prefill(r, wd, dtype, False, out), what
+        assert gemm_ops.fp4_workspace_bytes(r, wd, dtype, False, out) == 0, what
+    assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, True)  # 8-bit activations
+    assert gemm_ops.dequant_buffer_bytes(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False) > 0
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4, "0")
+    assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, False)
+    assert gemm_ops.dequant_buffer_bytes(256 * e, w, jnp.bfloat16, False) > 0
+    assert gemm_ops.dequant_buffer_bytes(64 * e, w, jnp.bfloat16, False) == 0  # the decode kernel's

@@ -163,12 +163,48 @@ def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
     return w.num_experts * w.n * -(-w.k // w.group_k) * 2
 
 
+# MXFP4 weights (e2m1 codes, uint8 e8m0 scales per 1 x 32, no zero points or second scale) with
+# bf16 activations and output run on the MXFP4 prefill kinds (Kind::kFp4Bf16 of
+# cuda_ffi/gemm_prefill_sm90.h) from MIN_ROWS_PER_EXPERT up to below FP4_MAX_ROWS_PER_EXPERT rows per
+# expert: the codes are converted in the mainloop, and the activations are first copied into the
+# workspace in the mainloop's k order (fp4_workspace_bytes). K a multiple of 64, N of 8.
+# $HUMMING_JAX_PREFILL_FP4=0 (read when the call is traced, as by the CUDA handler at each call)
+# gives these calls back to the decode kernel and the dequantizing path.
+ENV_PREFILL_FP4 = "HUMMING_JAX_PREFILL_FP4"
+FP4_MAX_ROWS_PER_EXPERT = 768  # cuda_ffi/gemm_prefill_sm90.h, kFp4MaxRowsPerExpert
+
+
+def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool, out_dtype: Any = jnp.bfloat16) -> bool:
+    """Whether a ``gemm_grouped`` call of ``rows`` rows is one the MXFP4 prefill kernel takes (on an
+    sm_90 device)."""
+    e, n, k = w.num_experts, w.n, w.k
+    if os.environ.get(ENV_PREFILL_FP4, "") == "0":
+        return False
+    return (w.wtype == WeightType.FP4_E2M1 and w.zero is None and w.scale2 is None and w.scale is not None
+            and w.group_n == 1 and w.group_k == 32 and not act_quantized
+            and jnp.dtype(act_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16
+            and k % 64 == 0 and n % 8 == 0 and e > 0
+            and MIN_ROWS_PER_EXPERT * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
+            and -(-rows // 64) + e + 1 <= 65535)
+
+
+def fp4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
+                        out_dtype: Any = jnp.bfloat16) -> int:
+    """Workspace bytes ``gemm_grouped`` adds for the MXFP4 kernel (its tile list and the permuted
+    activations; cuda_ffi/gemm_prefill_sm90_fp4.cu, fp4_workspace_bytes), 0 when the call does not
+    take it."""
+    if not fp4_prefill(rows, w, act_dtype, act_quantized, out_dtype):
+        return 0
+    tile_list = (-(-rows // 64) + w.num_experts + 1) * 16
+    return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2
+
+
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
     """Workspace bytes ``gemm_grouped`` adds for dequantizing experts (0 when the call cannot take
     that path: 16-bit weights, 8-bit activations, too few rows per expert, K or N not a multiple
     of 8, scale groups that are not whole 8-column runs; or when the mixed-input kernel takes it)."""
     e, n, k = w.num_experts, w.n, w.k
-    if mixed_prefill(rows, w, act_dtype, act_quantized):
+    if mixed_prefill(rows, w, act_dtype, act_quantized) or fp4_prefill(rows, w, act_dtype, act_quantized):
         return 0
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
             or e <= 0 or rows < dequant_min_rows_per_expert(w) * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
@@ -204,7 +240,9 @@ def gemm_grouped(
             jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
             jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts)
                                   + dequant_buffer_bytes(a.shape[0], w, a.dtype, a_scale is not None)
-                                  + mixed_scale_bytes(a.shape[0], w, a.dtype, a_scale is not None),), jnp.uint8),
+                                  + mixed_scale_bytes(a.shape[0], w, a.dtype, a_scale is not None)
+                                  + fp4_workspace_bytes(a.shape[0], w, a.dtype, a_scale is not None, out_dtype),),
+                                 jnp.uint8),
         ),
         *ops,
         expert_first_token_offset,

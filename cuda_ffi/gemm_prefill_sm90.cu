@@ -82,7 +82,6 @@ const char* kind_name(Kind k) {
     case Kind::kU4Bf16N64: return "u4-bf16-n64";
     case Kind::kU4Bf16N256: return "u4-bf16-n256";
     case Kind::kFp4Bf16: return "fp4-bf16";
-    case Kind::kFp4Bf16N128: return "fp4-bf16-n128";
     default: return "none";
   }
 }
@@ -130,7 +129,7 @@ bool mixed_input_fits(const GemmProblem& p, int64_t R) {
 }
 
 // MXFP4 weights (e2m1 codes, e8m0 scales per 1 x 32, nothing else) with bf16 activations and
-// output, kMinRowsPerExpert to below kFp4MaxRowsPerExpert rows per expert: the MXFP4 kinds. K a
+// output, kMinRowsPerExpert to below kFp4MaxRowsPerExpert rows per expert: the MXFP4 kind. K a
 // multiple of their 64-k tile, N of 8 (16-byte output chunks), the tile list within a grid column.
 bool fp4_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
@@ -181,8 +180,7 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
   const Kind wide = choose_wide(p, R, dev);
   if (wide == Kind::kNone) return wide;
   const int forced = tile_rows_from_env();
-  if (wide == Kind::kFp4Bf16)
-    return forced == 128 || (forced == 0 && R >= kFp4TallRowsPerExpert * p.w.E) ? Kind::kFp4Bf16N128 : wide;
+  if (wide == Kind::kFp4Bf16) return wide;  // its tile width follows each tile's rows
   if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
     return Kind::kU4Bf16N256;
   if (forced == 128 || forced == 256) return wide;
@@ -194,7 +192,7 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
 }
 
 namespace {
-bool is_fp4(Kind k) { return k == Kind::kFp4Bf16 || k == Kind::kFp4Bf16N128; }
+bool is_fp4(Kind k) { return k == Kind::kFp4Bf16; }
 
 // What a launch of args.kind needs of the workspace.
 size_t needed_bytes(const GroupedArgs& args, const DeviceInfo& dev) {
@@ -244,8 +242,7 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16: err = run_u4_bf16(a, dev, stream); break;
     case Kind::kU4Bf16N64: err = run_u4_bf16_n64(a, dev, stream); break;
     case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
-    case Kind::kFp4Bf16:
-    case Kind::kFp4Bf16N128: err = run_fp4_bf16(a, dev, stream); break;
+    case Kind::kFp4Bf16: err = run_fp4_bf16(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())

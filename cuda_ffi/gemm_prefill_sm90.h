@@ -44,12 +44,10 @@ enum class Kind : int {
   kU4Bf16N256 = 9,
   // MXFP4 (e2m1 codes, e8m0 scales per 1 x 32) x bf16 activations -> bf16 on our own mainloop
   // (gemm_prefill_sm90_fp4.cu): the codes converted and scaled in registers into register-sourced
-  // wgmma, tiles of 256 weight rows x 64 tokens; from kMinRowsPerExpert up to below
-  // kFp4MaxRowsPerExpert rows per expert on average. HUMMING_JAX_PREFILL_FP4=0 gives these calls
-  // back to the decode kernel and the dequantizing path.
+  // wgmma, tiles of 128 weight rows x up to 128 tokens (the tile's rows rounded up to 16); from
+  // kMinRowsPerExpert up to below kFp4MaxRowsPerExpert rows per expert on average.
+  // HUMMING_JAX_PREFILL_FP4=0 gives these calls back to the decode kernel and the dequantizing path.
   kFp4Bf16 = 10,
-  // The same on tiles of 128 weight rows x 128 tokens, from kFp4TallRowsPerExpert rows per expert.
-  kFp4Bf16N128 = 11,
 };
 
 // The kind on 64-row tiles of a 128-row kind, and back (the 256-token mixed kind's 128-row kind is
@@ -90,9 +88,8 @@ constexpr int64_t kWideRowsPerExpertMixed = 128;
 // dequantizing path at 1024-4096 (benchmarks/NOTES.md, v9).
 constexpr int64_t kTallRowsPerExpertMixed = 256;
 
-// The MXFP4 kinds' range of rows per expert (on average), and where they switch to 128-token tiles.
+// The MXFP4 kind's range of rows per expert (on average): up to below this many.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
-constexpr int64_t kFp4TallRowsPerExpert = 128;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {
@@ -142,11 +139,9 @@ constexpr size_t mixed_scale_bytes(int64_t E, int64_t N, int64_t scale_cols) {
   return static_cast<size_t>(E) * static_cast<size_t>(N) * static_cast<size_t>(scale_cols) * 2;
 }
 
-// Workspace bytes of the MXFP4 kinds for R rows, K and E experts (the tile list and the permuted
+// Workspace bytes of the MXFP4 kind for R rows, K and E experts (the tile list and the permuted
 // activations, R x K bf16), including the alignment slack (humming_jax/ops/gemm.py, fp4_workspace_bytes).
 size_t fp4_workspace_bytes(int64_t R, int64_t K, int64_t E);
-// Token rows per tile of the MXFP4 kind for this problem (64 or 128).
-int64_t fp4_tile_tokens(Kind kind);
 
 // Launches the setup kernel and the GEMM on `stream`. Errors name the call; a workspace smaller
 // than workspace_bytes(kind, E, SMs) is an InvalidArgument that names the size needed.

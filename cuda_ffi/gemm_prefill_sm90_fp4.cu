@@ -2,10 +2,14 @@
 // scale per 1 x 32 weights) with bf16 activations, our own sm_90a mainloop. CUTLASS's mixed-input
 // collective cannot take it (its K tile must hold whole scale groups of at least 64 k), so:
 //
-//  * Operands swapped as in the uint4 kinds: 64 weight rows per warpgroup are wgmma's A operand,
-//    converted from the codes in registers (A from registers), and a tile of BN token rows is the
-//    B operand in shared memory (K-major, 128-byte swizzle). One conversion of a weight feeds BN
-//    tokens, against one per 8 tokens in the decode kernel's mma.sync.
+//  * Operands swapped as in the uint4 kinds: 64 weight rows per warpgroup (128 per CTA) are wgmma's
+//    A operand, converted from the codes in registers (A from registers), and a tile of up to 128
+//    token rows is the B operand in shared memory (K-major, 128-byte swizzle). One conversion of a
+//    weight feeds all the tile's tokens, against one per 8 tokens in the decode kernel's mma.sync.
+//  * Each expert's rows are split into ceil(rows / 128) tiles of near-equal size, and a CTA runs
+//    the mainloop instantiated for its tile's rows rounded up to 16 (wgmma's N = 16 .. 128): one
+//    pass over the weights per 128 rows, and at most 15 rows of wasted MMA work per tile (with
+//    fixed 64-row tiles, experts of 65-80 rows cost two weight passes).
 //  * The k order inside a 64-k tile is free as long as A and B agree. Lane t of a quad reads bytes
 //    8t .. 8t+7 of each of its weight rows' 32-byte tile (one 8-byte shared load, conflict-free),
 //    and the decode kernel's two-instruction e2m1 -> bf16 placement pairs nibbles p and p + 4 of a
@@ -17,7 +21,8 @@
 //    float32-then-round gives (one bf16 multiply of exact factors; fp4_factors).
 //  * A ring of kStages cp.async stages (codes + activations) filled by all 256 threads; wgmma is
 //    asynchronous, so the conversion of tile k + 1 overlaps the MMAs of tile k (A registers double
-//    buffered). Tiles over experts come from a tile list the setup kernel writes into the workspace
+//    buffered). Two CTAs per SM, so that one's pipeline fill and epilogue overlap the other's
+//    mainloop. Tiles over experts come from a tile list the setup kernel writes into the workspace
 //    (expert, first row, rows), so a CTA starts with one load, not a search.
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
@@ -47,27 +52,22 @@ using decode::fp4_factors;
 using decode::hmul2;
 using decode::smem_addr;
 
-constexpr int kThreads = 256;  // two warpgroups, both loading and computing
-constexpr int kBK = 64;        // k per stage: two scale groups
-constexpr int kStages = 6;
+constexpr int kThreads = 256;    // two warpgroups, both loading and computing
+constexpr int kBK = 64;          // k per stage: two scale groups
+constexpr int kStages = 5;
+constexpr int kRows = 128;       // weight rows (output columns) per CTA
+constexpr int kMaxTokens = 128;  // token rows per tile
+constexpr int kActBytes = kMaxTokens * kBK * 2;  // one stage of activations (16 KB)
+constexpr int kCodeBytes = kRows * kBK / 2;      // one stage of codes (4 KB)
+constexpr int kOutStride = kRows * 2 + 16;       // epilogue staging row (bytes)
+constexpr int kRingBytes = kStages * (kActBytes + kCodeBytes);
+constexpr int kSmem = (kRingBytes > kMaxTokens * kOutStride ? kRingBytes : kMaxTokens * kOutStride) + 1024;
 
 // Physical k (within a 64-k tile) of the activation that logical position L of the permuted tile
 // holds. The mapping of the lanes' code bytes onto wgmma's A fragment (module comment).
 __host__ __device__ constexpr int fp4_k_of(int L) {
   return 16 * ((L >> 1) & 3) + 8 * (L >> 5) + 2 * ((L >> 4) & 1) + ((L >> 3) & 1) + 4 * (L & 1);
 }
-
-template <int MT, int BN>
-struct Tile {
-  static constexpr int kRows = 2 * 64 * MT;              // weight rows (output columns) per CTA
-  static constexpr int kActBytes = BN * kBK * 2;          // one stage of activations
-  static constexpr int kCodeBytes = kRows * kBK / 2;      // one stage of codes
-  static constexpr int kRingBytes = kStages * (kActBytes + kCodeBytes);
-  static constexpr int kOutStride = kRows * 2 + 16;       // epilogue staging row (bytes)
-  static constexpr int kOutBytes = BN * kOutStride;
-  static constexpr int kSmem = (kRingBytes > kOutBytes ? kRingBytes : kOutBytes) + 1024;  // + alignment
-  static_assert(kActBytes % 1024 == 0, "128-byte swizzle atoms");
-};
 
 struct Fp4Params {
   const __nv_bfloat16* a;   // permuted activations [R, K] (workspace)
@@ -95,25 +95,64 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: 8-row atoms of 128
-// bytes, 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle (8-row atoms of 128
+// bytes, 1024 bytes apart), from its low word: start address / 16 (shared addresses stay below
+// 2^18, so the 14-bit field never carries into the next) and a leading byte offset of 1.
+__device__ __forceinline__ uint32_t smem_desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t smem_desc(uint32_t lo) {
+  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
-template <int BN>
+// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory); acc = 0 overwrites D.
+// One specialization per tile width.
+template <int N>
 struct Mma;
 
-// D[64 x 64] += A[64 x 16] (registers) * B[16 x 64] (shared memory).
+template <>
+struct Mma<16> {
+  static __device__ __forceinline__ void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+};
+
+template <>
+struct Mma<32> {
+  static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+};
+
+template <>
+struct Mma<48> {
+  static __device__ __forceinline__ void run(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
+        "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+};
+
 template <>
 struct Mma<64> {
   static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int acc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
         "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -123,17 +162,63 @@ struct Mma<64> {
   }
 };
 
-// D[64 x 128] += A[64 x 16] (registers) * B[16 x 128] (shared memory).
+template <>
+struct Mma<80> {
+  static __device__ __forceinline__ void run(float (&d)[40], const uint32_t (&a)[4], uint64_t desc, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+        "{%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+};
+
+template <>
+struct Mma<96> {
+  static __device__ __forceinline__ void run(float (&d)[48], const uint32_t (&a)[4], uint64_t desc, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+        "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+};
+
+template <>
+struct Mma<112> {
+  static __device__ __forceinline__ void run(float (&d)[56], const uint32_t (&a)[4], uint64_t desc, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, "
+        "{%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+  }
+};
+
 template <>
 struct Mma<128> {
   static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int acc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
         "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
@@ -148,30 +233,27 @@ struct Mma<128> {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Setup: the tile list, and the rows past the last expert as zeros. Block 0 writes the list (a warp
-// scan of the experts' tile counts); every block takes a share of the zero tail.
+// Setup: the tile list, and the rows past the last expert as zeros. Block 0 writes the list (a
+// block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
+// share of the zero tail. An expert's rows are split into ceil(rows / kMaxTokens) near-equal tiles.
 // ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kSetupThreads) fp4_setup_kernel(const int32_t* offsets, int E, int R, int bn,
-                                                                  int4* tiles, int* count, __nv_bfloat16* c,
-                                                                  int64_t N) {
+__global__ void __launch_bounds__(kSetupThreads) fp4_setup_kernel(const int32_t* offsets, int E, int R, int4* tiles,
+                                                                  int* count, __nv_bfloat16* c, int64_t N) {
   extern __shared__ int32_t s_hi[];  // [E], block 0 only
   int last;
   if (blockIdx.x == 0) {
     last = expert_row_ends(offsets, E, R, s_hi);
-    // Exclusive prefix of the tile counts, by warp 0 in chunks of 32 experts, written over s_hi
-    // only after every thread has read its ends: first into registers of the writing threads.
     __shared__ int32_t s_first;
+    __shared__ int32_t s_warp[kSetupThreads / 32];
     const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
     if (tid == 0) s_first = 0;
     __syncthreads();
     for (int e0 = 0; e0 < E; e0 += kSetupThreads) {
       const int e = e0 + tid;
       const int lo = e < E ? (e > 0 ? s_hi[e - 1] : 0) : 0;
-      const int hi = e < E ? s_hi[e] : 0;
-      const int n = (hi - lo + bn - 1) / bn;
-      // Block-wide exclusive scan of n over this chunk of kSetupThreads experts.
-      __shared__ int32_t s_warp[kSetupThreads / 32];
-      int v = n;
+      const int rows = e < E ? s_hi[e] - lo : 0;
+      const int n = (rows + kMaxTokens - 1) / kMaxTokens;
+      int v = n;  // inclusive scan within the warp, then the warps before
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
         const int y = __shfl_up_sync(0xffffffffu, v, o);
@@ -179,10 +261,13 @@ __global__ void __launch_bounds__(kSetupThreads) fp4_setup_kernel(const int32_t*
       }
       if (lane == 31) s_warp[tid >> 5] = v;
       __syncthreads();
-      int before = s_first;
+      int before = s_first + v - n;
       for (int w = 0; w < (tid >> 5); ++w) before += s_warp[w];
-      before += v - n;
-      for (int i = 0; i < n; ++i) tiles[before + i] = make_int4(e, lo + i * bn, min(bn, hi - lo - i * bn), 0);
+      for (int i = 0; i < n; ++i) {
+        const int a = static_cast<int>(static_cast<int64_t>(rows) * i / n);
+        const int b = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / n);
+        tiles[before + i] = make_int4(e, lo + a, b - a, 0);
+      }
       __syncthreads();
       if (tid == kSetupThreads - 1) s_first = before + n;
       __syncthreads();
@@ -218,154 +303,140 @@ __global__ void __launch_bounds__(256) fp4_permute_kernel(const uint16_t* a, uin
 }
 
 // ---------------------------------------------------------------------------------------------
-// The GEMM. Grid: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
+// One CTA tile: 128 weight rows from n0 of expert e x `rows` token rows from row0, on the mainloop
+// of width BN (rows rounded up to 16).
 // ---------------------------------------------------------------------------------------------
-template <int MT, int BN>
-__global__ void __launch_bounds__(kThreads, 1) fp4_gemm_kernel(Fp4Params P) {
-  using T = Tile<MT, BN>;
-  constexpr int kAcc = BN / 2;  // accumulators per thread and 64-row tile
-  extern __shared__ uint8_t smem_raw[];
-  const int tile_idx = static_cast<int>(blockIdx.y);
-  if (tile_idx >= __ldg(P.count)) return;
-  const int4 tile = P.tiles[tile_idx];
-  const int e = tile.x, row0 = tile.y, rows = tile.z;
-  const int n0 = static_cast<int>(blockIdx.x) * T::kRows;
+template <int BN>
+__device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, int rows, int n0, uint8_t* smem,
+                                         uint32_t base) {
+  constexpr int kAcc = BN / 2;  // accumulators per thread
+  // Double-buffered A fragments (the conversion of tile k + 1 overlaps tile k's MMAs) up to 96
+  // tokens; wider tiles convert after their MMAs are done, to stay within 128 registers (two CTAs
+  // per SM), and leave the overlap to the SM's other warpgroups.
+  constexpr bool kDouble = BN <= 96;
   const int N = P.N, K = P.K;
   const int KT = K / kBK;
-
-  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
-  const uint32_t act0 = base;                                  // stage s at act0 + s * kActBytes
-  const uint32_t code0 = base + kStages * T::kActBytes;        // stage s at code0 + s * kCodeBytes
+  const uint32_t act0 = base;                           // stage s at act0 + s * kActBytes
+  const uint32_t code0 = base + kStages * kActBytes;    // stage s at code0 + s * kCodeBytes
 
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
   const int64_t row_bytes = K / 2;
-  const uint8_t* wexp = P.w + (static_cast<int64_t>(e) * N) * row_bytes;
+  const uint8_t* wexp = P.w + static_cast<int64_t>(e) * N * row_bytes;
   const int scols = K / 32;
   const uint8_t* sexp = P.scale + static_cast<int64_t>(e) * N * scols;
   const __nv_bfloat16* arow0 = P.a + static_cast<int64_t>(row0) * K;
 
-  // This thread's weight rows: r = wg * 64 * MT + mt * 64 + warp * 16 + g + 8 h (in the CTA tile).
-  auto my_row = [&](int mt, int h) { return wg * 64 * MT + mt * 64 + warp * 16 + g + 8 * h; };
-  const uint8_t* srow[MT][2];
+  // This thread's weight rows in the CTA tile: wg * 64 + warp * 16 + g + 8 h.
+  auto my_row = [&](int h) { return wg * 64 + warp * 16 + g + 8 * h; };
+  const uint8_t* srow[2];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) srow[mt][h] = sexp + static_cast<int64_t>(min(n0 + my_row(mt, h), N - 1)) * scols + (t >> 1);
+  for (int h = 0; h < 2; ++h) srow[h] = sexp + static_cast<int64_t>(min(n0 + my_row(h), N - 1)) * scols + (t >> 1);
 
-  auto load_stage = [&](int kt) {
-    const int s = kt % kStages;
-    // Codes: kRows rows x two 16-byte chunks.
+  // Each thread's cp.async sources, advanced by one k tile per stage: one 16-byte chunk of codes
+  // (row tid / 2) and kActChunks of activations (rows past the tile's are zero-filled: no read).
+  constexpr int kActChunks = (BN * 8 + kThreads - 1) / kThreads;
+  const int crow = tid >> 1;
+  const uint8_t* csrc = wexp + static_cast<int64_t>(n0 + crow < N ? n0 + crow : 0) * row_bytes + (tid & 1) * 16;
+  const int cbytes = n0 + crow < N ? 16 : 0;
+  const uint32_t cdst = crow * (kBK / 2) + (tid & 1) * 16;
+  const __nv_bfloat16* asrc[kActChunks];
+  uint32_t adst[kActChunks];
+  int abytes[kActChunks];
 #pragma unroll
-    for (int i = 0; i < (T::kRows * 2) / kThreads; ++i) {
-      const int ch = tid + i * kThreads;
-      const int r = ch >> 1, half = ch & 1;
-      const bool ok = n0 + r < N;
-      const uint8_t* src = wexp + static_cast<int64_t>(ok ? n0 + r : 0) * row_bytes + kt * (kBK / 2) + half * 16;
-      cp_async_weights(code0 + s * T::kCodeBytes + r * (kBK / 2) + half * 16, src, ok ? 16 : 0);
-    }
-    // Activations: BN rows x eight 16-byte chunks, 128-byte swizzle.
+  for (int i = 0; i < kActChunks; ++i) {
+    const int ch = tid + i * kThreads, r = ch >> 3, c = ch & 7;
+    const bool ok = r < rows;
+    asrc[i] = arow0 + static_cast<int64_t>(ok ? r : 0) * K + c * 8;
+    abytes[i] = ok ? 16 : 0;
+    adst[i] = r < BN ? r * 128 + ((c ^ (r & 7)) << 4) : ~0u;  // ~0: beyond the tile width, no copy
+  }
+  auto load_stage = [&](int kt, int s) {
+    cp_async_weights(code0 + s * kCodeBytes + cdst, csrc + kt * (kBK / 2), cbytes);
 #pragma unroll
-    for (int i = 0; i < (BN * 8) / kThreads; ++i) {
-      const int ch = tid + i * kThreads;
-      const int r = ch >> 3, c = ch & 7;
-      const bool ok = r < rows;
-      const __nv_bfloat16* src = arow0 + static_cast<int64_t>(ok ? r : 0) * K + kt * kBK + c * 8;
-      cp_async16(act0 + s * T::kActBytes + r * 128 + ((c ^ (r & 7)) << 4), src, ok ? 16 : 0);
-    }
+    for (int i = 0; i < kActChunks; ++i)
+      if (BN * 8 % kThreads == 0 || adst[i] != ~0u)
+        cp_async16(act0 + s * kActBytes + adst[i], asrc[i] + kt * kBK, abytes[i]);
   };
 
-  float acc[MT][kAcc];  // the first MMA of a tile overwrites them (scale-d 0): no initialization
-  uint32_t afrag[2][MT][4][4];  // [buffer][m tile][k16 step][register]
+  float acc[kAcc];  // the first MMA of the tile overwrites them (scale-d 0): no initialization
+  uint32_t afrag[kDouble ? 2 : 1][4][4];  // [buffer][k16 step][register]
 
-  // Scales of the next tiles, loaded two iterations ahead.
-  uint32_t sc[3][MT][2];
-  auto load_scales = [&](int kt, uint32_t (&dst)[MT][2]) {
+  // Scales of tiles kt (slot kt & 1) and kt + 1: slot kt & 1 is reloaded for tile kt + 2 once tile
+  // kt has read it, so the ring needs no register copies (a copy would wait for the load).
+  uint32_t sc[2][2];
+  auto load_scales = [&](int kt, uint32_t (&dst)[2]) {
     const int k = min(kt, KT - 1) * 2;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) dst[mt][h] = __ldg(srow[mt][h] + k);
+    for (int h = 0; h < 2; ++h) dst[h] = __ldg(srow[h] + k);
   };
   load_scales(0, sc[0]);
   load_scales(1, sc[1]);
 
 #pragma unroll
   for (int s = 0; s < kStages - 2; ++s) {
-    if (s < KT) load_stage(s);
+    if (s < KT) load_stage(s, s);
     cp_async_commit();
   }
+  int s_use = 0, s_load = kStages - 2;  // ring slots of tile kt and of tile kt + kStages - 2
 
   // One k tile: codes of stage kt to A fragments of buffer B, then the MMAs.
   auto step = [&](int kt, auto buf) {
-    constexpr int B = decltype(buf)::value;
+    constexpr int B = decltype(buf)::value;  // the scale slot
+    constexpr int A = kDouble ? B : 0;         // the fragment buffer
     cp_async_wait<kStages - 3>();
     __syncthreads();  // stage kt visible; every warpgroup's MMAs of tile kt - 2 are complete
-    if (kt + kStages - 2 < KT) load_stage(kt + kStages - 2);
+    if (kt + kStages - 2 < KT) load_stage(kt + kStages - 2, s_load);
     cp_async_commit();
-    load_scales(kt + 2, sc[2]);
-    const int s = kt % kStages;
+    const int s = s_use;
+    s_use = s_use == kStages - 1 ? 0 : s_use + 1;
+    s_load = s_load == kStages - 1 ? 0 : s_load + 1;
     bool two = false;
-    uint32_t f2[MT][2];
+    uint32_t f2[2];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      uint32_t words[2];
+      decode::lds64(words, code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
+      uint32_t f1;
+      bool tw;
+      fp4_factors(sc[B][h], f1, f2[h], tw);
+      two |= tw;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t words[2];
-        decode::lds64(words, code0 + s * T::kCodeBytes + my_row(mt, h) * (kBK / 2) + t * 8);
-        uint32_t f1;
-        bool tw;
-        fp4_factors(sc[0][mt][h], f1, f2[mt][h], tw);
-        two |= tw;
-#pragma unroll
-        for (int wd = 0; wd < 2; ++wd) {
-          // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
-          afrag[B][mt][2 * wd + 0][0 + h] = hmul2<false>(e2m1_bits<0, 6>(words[wd]), f1);
-          afrag[B][mt][2 * wd + 0][2 + h] = hmul2<false>(e2m1_bits<1, 6>(words[wd]), f1);
-          afrag[B][mt][2 * wd + 1][0 + h] = hmul2<false>(e2m1_bits<2, 6>(words[wd]), f1);
-          afrag[B][mt][2 * wd + 1][2 + h] = hmul2<false>(e2m1_bits<3, 6>(words[wd]), f1);
-        }
+      for (int wd = 0; wd < 2; ++wd) {
+        // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
+        afrag[A][2 * wd + 0][0 + h] = hmul2<false>(e2m1_bits<0, 6>(words[wd]), f1);
+        afrag[A][2 * wd + 0][2 + h] = hmul2<false>(e2m1_bits<1, 6>(words[wd]), f1);
+        afrag[A][2 * wd + 1][0 + h] = hmul2<false>(e2m1_bits<2, 6>(words[wd]), f1);
+        afrag[A][2 * wd + 1][2 + h] = hmul2<false>(e2m1_bits<3, 6>(words[wd]), f1);
       }
+    }
+    load_scales(kt + 2, sc[B]);
     // e8m0 scales above 128 (weights beyond +-12) practically never occur: one vote per warp and
     // tile, and the second factor only then (1.0 for the rows that do not need it).
     if (__any_sync(0xffffffffu, two)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) afrag[B][mt][j][r] = hmul2<false>(afrag[B][mt][j][r], f2[mt][r & 1]);
-    }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sc[0][mt][h] = sc[1][mt][h];
-        sc[1][mt][h] = sc[2][mt][h];
-      }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) fence_reg(acc[mt][i]);
-    wgmma_fence();
-    const uint32_t act = act0 + s * T::kActBytes;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint64_t desc = smem_desc(act + j * 32);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) Mma<BN>::run(acc[mt], afrag[B][mt][j], desc, kt > 0 || j > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<1>();  // tile kt - 1 done: the other buffer's registers are free again
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) fence_reg(afrag[B ^ 1][mt][j][r]);
+        for (int r = 0; r < 4; ++r) afrag[A][j][r] = hmul2<false>(afrag[A][j][r], f2[r & 1]);
+    }
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
+    wgmma_fence();
+    const uint32_t dlo = smem_desc_lo(act0 + s * kActBytes);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
+    wgmma_commit();
+    // Double buffer: tile kt - 1 done, the other buffer's registers are free again. Single: tile kt.
+    if constexpr (kDouble)
+      wgmma_wait<1>();
+    else
+      wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
   };
 
   for (int kt = 0; kt < KT; kt += 2) {
@@ -374,92 +445,96 @@ __global__ void __launch_bounds__(kThreads, 1) fp4_gemm_kernel(Fp4Params P) {
   }
   wgmma_wait<0>();
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) fence_reg(acc[mt][i]);
+  for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
   cp_async_wait<0>();
   __syncthreads();  // the ring becomes the output staging
 
-  // acc[mt][4 i + q]: weight row my_row(mt, q >> 1), token 8 i + 2 t + (q & 1).
+  // acc[4 i + q]: weight row my_row(q >> 1), token 8 i + 2 t + (q & 1).
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int h = 0; h < 2; ++h) {
+    const int r = my_row(h);
+    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = my_row(mt, h);
-      const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
+    for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int tok = 8 * i + 2 * t + q;
-          *reinterpret_cast<__nv_bfloat16*>(smem + tok * T::kOutStride + r * 2) =
-              __float2bfloat16_rn(acc[mt][4 * i + 2 * h + q] + b);
-        }
-    }
+      for (int q = 0; q < 2; ++q) {
+        const int tok = 8 * i + 2 * t + q;
+        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
+      }
+  }
   __syncthreads();
-  constexpr int kChunks = T::kRows / 8;  // 16-byte chunks of an output row
+  constexpr int kChunks = kRows / 8;  // 16-byte chunks of an output row
   for (int ch = tid; ch < BN * kChunks; ch += kThreads) {
     const int tok = ch / kChunks, cc = ch % kChunks;
     if (tok < rows && n0 + cc * 8 < N)
       *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
-          *reinterpret_cast<const uint4*>(smem + tok * T::kOutStride + cc * 16);
+          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
   }
 }
 
-template <int MT, int BN>
-std::string launch_gemm(const Fp4Params& P, int64_t max_tiles, int device, cudaStream_t stream) {
-  using T = Tile<MT, BN>;
-  {
-    // The shared-memory limit is raised once per device (a per-context attribute).
-    static std::mutex mu;
-    static bool done[64] = {};
-    if (device < 0 || device >= 64) return "device index out of range";
-    std::lock_guard<std::mutex> lock(mu);
-    if (!done[device]) {
-      const cudaError_t e =
-          cudaFuncSetAttribute(fp4_gemm_kernel<MT, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
-      }
-      done[device] = true;
-    }
+// Grid: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
+__global__ void __launch_bounds__(kThreads, 2) fp4_gemm_kernel(Fp4Params P) {
+  extern __shared__ uint8_t smem_raw[];
+  const int tile_idx = static_cast<int>(blockIdx.y);
+  if (tile_idx >= __ldg(P.count)) return;
+  const int4 tile = P.tiles[tile_idx];
+  const int n0 = static_cast<int>(blockIdx.x) * kRows;
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
+  switch ((tile.z + 15) >> 4) {  // the tile's rows (1 .. kMaxTokens) in 16s
+    case 1: fp4_tile<16>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 2: fp4_tile<32>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 3: fp4_tile<48>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 4: fp4_tile<64>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 5: fp4_tile<80>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 6: fp4_tile<96>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 7: fp4_tile<112>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    default: fp4_tile<128>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
   }
-  const dim3 grid(static_cast<unsigned>((P.N + T::kRows - 1) / T::kRows), static_cast<unsigned>(max_tiles));
-  fp4_gemm_kernel<MT, BN><<<grid, kThreads, T::kSmem, stream>>>(P);
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string("fp4_gemm_kernel: ") + cudaGetErrorString(err);
 }
 
 }  // namespace
 
-int64_t fp4_tile_tokens(Kind kind) { return kind == Kind::kFp4Bf16N128 ? 128 : 64; }
-
 size_t fp4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
-  // Count (128 bytes), tile list (at most R / 64 + E + 1 entries of 16 bytes: each expert and the
-  // zero tail add at most one partial tile), the activations at a 128-byte boundary, and the slack
-  // run_grouped spends on aligning the base.
+  // Count (128 bytes), tile list (at most R / 64 + E + 1 entries of 16 bytes, a bound with room to
+  // spare: each expert adds at most one tile beyond R / kMaxTokens), the activations at a 128-byte
+  // boundary, and the slack run_grouped spends on aligning the base.
   const size_t list = static_cast<size_t>((R + 63) / 64 + E + 1) * 16;
   return 128 + (128 + list + 127) / 128 * 128 + static_cast<size_t>(R) * static_cast<size_t>(K) * 2;
 }
 
 std::string run_fp4_bf16(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
-  const int64_t bn = fp4_tile_tokens(g.kind);
-  const int64_t max_tiles = (g.R + bn - 1) / bn + g.E + 1;
+  const int64_t max_tiles = (g.R + kMaxTokens - 1) / kMaxTokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
   int* count = reinterpret_cast<int*>(ws);
   int4* tiles = reinterpret_cast<int4*>(ws + 128);
-  const size_t act_off = (128 + static_cast<size_t>(max_tiles) * 16 + 127) / 128 * 128;
+  const size_t list = static_cast<size_t>((g.R + 63) / 64 + g.E + 1) * 16;
+  const size_t act_off = (128 + list + 127) / 128 * 128;
   __nv_bfloat16* act = reinterpret_cast<__nv_bfloat16*>(ws + act_off);
   if (g.workspace_bytes < act_off + static_cast<size_t>(g.R) * static_cast<size_t>(g.K) * 2)
     return "workspace too small for the permuted activations";
+  {
+    // The shared-memory limit is raised once per device (a per-context attribute).
+    static std::mutex mu;
+    static bool done[64] = {};
+    if (dev.device < 0 || dev.device >= 64) return "device index out of range";
+    std::lock_guard<std::mutex> lock(mu);
+    if (!done[dev.device]) {
+      const cudaError_t e = cudaFuncSetAttribute(fp4_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+      }
+      done[dev.device] = true;
+    }
+  }
   // Rows past the last expert: a share per block, as in the other kinds' setup.
   const int64_t zero_work = g.R * g.N / 8;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
   fp4_setup_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), static_cast<int>(bn), tiles, count,
-      static_cast<__nv_bfloat16*>(g.c), g.N);
+      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), tiles, count, static_cast<__nv_bfloat16*>(g.c), g.N);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("fp4_setup_kernel: ") + cudaGetErrorString(err);
   const int64_t ktiles = g.R * (g.K / kBK);
@@ -480,7 +555,10 @@ std::string run_fp4_bf16(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   P.count = count;
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
-  return bn == 128 ? launch_gemm<1, 128>(P, max_tiles, dev.device, stream) : launch_gemm<2, 64>(P, max_tiles, dev.device, stream);
+  const dim3 grid(static_cast<unsigned>((g.N + kRows - 1) / kRows), static_cast<unsigned>(max_tiles));
+  fp4_gemm_kernel<<<grid, kThreads, kSmem, stream>>>(P);
+  err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("fp4_gemm_kernel: ") + cudaGetErrorString(err);
 }
 
 }  // namespace prefill

@@ -317,14 +317,15 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
 
 
 FP4_CASES = [
-    # M tokens, top-k, E, N, K, routing, bias. Below kFp4TallRowsPerExpert = 128 rows per expert:
-    # tiles of 256 weight rows x 64 tokens; from it, 128 x 128.
+    # M tokens, top-k, E, N, K, routing, bias. Tiles of 128 weight rows x an expert's rows split
+    # into near-equal parts of at most 128 (wgmma N: the part's rows rounded up to 16).
     (256, 2, 8, 384, 512, "uniform", True),  # 64 rows per expert
     (128, 2, 8, 384, 512, "uniform", False),  # 32, the least the kind takes (else the decode kernel's)
     (192, 2, 8, 264, 384, "tail", True),  # 48; N not a multiple of the tile; rows past off[E]
     (512, 8, 64, 384, 640, "zero_rows", True),  # 64 on average, ~190 on the used experts: several tiles each
     (256, 2, 8, 200, 192, "uniform", False),  # K = 3 tiles (an odd count), N = 200
-    (1024, 2, 8, 200, 192, "uniform", True),  # 256 rows per expert: 128-token tiles
+    (1024, 2, 8, 200, 192, "uniform", True),  # 256 rows per expert: 2-3 tiles each
+    (160, 2, 8, 136, 128, "uniform", False),  # 40 rows per expert: widths 32-64, N = 136
     (2048, 2, 8, 768, 512, "uniform", True),  # 512 rows per expert
     (1024, 4, 16, 264, 384, "tail", False),  # 256 rows per expert with rows past off[E]
     (1024, 1, 8, 256, 1152, "one_expert", True),  # 1024 rows on one expert, none on the rest
@@ -360,7 +361,7 @@ def test_prefill_mxfp4_matches_cpu_and_the_other_paths(rng, monkeypatch, m, k, e
 
 
 @requires_prefill
-@pytest.mark.parametrize("m", [256, 1024])  # 64-token and 128-token tiles
+@pytest.mark.parametrize("m", [256, 1024])  # 64 and 256 rows per expert
 def test_prefill_mxfp4_extreme_scales_match_cpu_per_column(rng, monkeypatch, m):
     """e8m0 scales at the edges of the in-register conversion: 2^-127 (s = 0, subnormal w'), the
     largest single factor (s = 128) and the two-factor case (s > 128), checked column by column

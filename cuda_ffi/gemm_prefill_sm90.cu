@@ -37,6 +37,16 @@ bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", tru
 // dequantizing path (read at each call; humming_jax/ops/gemm.py reads it when tracing).
 bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); }
 
+// HUMMING_JAX_PREFILL_U4RS: unset, kU4RsMaxRowsPerExpert; 0, the uint4 calls of our 4-bit mainloop
+// stay on the CUTLASS mixed-input kinds; n > 0, the mainloop's upper bound (rows per expert).
+int64_t u4rs_max_rows_per_expert() {
+  const char* v = std::getenv("HUMMING_JAX_PREFILL_U4RS");
+  if (v == nullptr || *v == '\0') return kU4RsMaxRowsPerExpert;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return (end != v && *end == '\0' && n > 0) ? n : 0;
+}
+
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
 int tile_rows_from_env() {
@@ -82,6 +92,7 @@ const char* kind_name(Kind k) {
     case Kind::kU4Bf16N64: return "u4-bf16-n64";
     case Kind::kU4Bf16N256: return "u4-bf16-n256";
     case Kind::kFp4Bf16: return "fp4-bf16";
+    case Kind::kU4Bf16Rs: return "u4-bf16-rs";
     default: return "none";
   }
 }
@@ -140,7 +151,14 @@ bool fp4_fits(const GemmProblem& p, int64_t R) {
          (R + 63) / 64 + w.E + 1 <= 65535;
 }
 
-Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
+// The uint4 calls of mixed_input_fits whose scale groups are whole 64-k tiles (or span K), K a
+// multiple of 64, up to below u4rs_max_rows_per_expert() rows per expert: our 4-bit mainloop.
+bool u4rs_fits(const GemmProblem& p, int64_t R) {
+  return mixed_input_fits(p, R) && p.K % 64 == 0 && (p.w.group_k % 64 == 0 || p.w.group_k >= p.K) &&
+         R < u4rs_max_rows_per_expert() * p.w.E && (R + 63) / 64 + p.w.E + 1 <= 65535;
+}
+
+Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
   const WeightView& w = p.w;
   const int64_t E = w.E, N = p.N, K = p.K;
   if (!dev.sm90 || dev.sm_count <= 0) return Kind::kNone;
@@ -159,7 +177,8 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
   }
-  if (!fp4_disabled_by_env() && fp4_fits(p, R)) return Kind::kFp4Bf16;
+  if (allow_rs4 && !fp4_disabled_by_env() && fp4_fits(p, R)) return Kind::kFp4Bf16;
+  if (allow_rs4 && !mixed_disabled_by_env() && u4rs_fits(p, R)) return Kind::kU4Bf16Rs;
   if (!mixed_disabled_by_env() && mixed_input_fits(p, R)) return Kind::kU4Bf16;
   // Quantized weights, 16-bit activations: dequantized chunks through the 16-bit kernel.
   if (!p.a.quantized() && p.c_type == p.a.type && (w.group_k % 8 == 0 || w.group_k >= K) && w.group_n >= 1) {
@@ -176,11 +195,11 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
 }
 }  // namespace
 
-Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
-  const Kind wide = choose_wide(p, R, dev);
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
+  const Kind wide = choose_wide(p, R, dev, allow_rs4);
   if (wide == Kind::kNone) return wide;
   const int forced = tile_rows_from_env();
-  if (wide == Kind::kFp4Bf16) return wide;  // its tile width follows each tile's rows
+  if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs) return wide;  // tile widths follow each tile's rows
   if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
     return Kind::kU4Bf16N256;
   if (forced == 128 || forced == 256) return wide;
@@ -192,11 +211,11 @@ Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev) {
 }
 
 namespace {
-bool is_fp4(Kind k) { return k == Kind::kFp4Bf16; }
+bool is_rs4(Kind k) { return k == Kind::kFp4Bf16 || k == Kind::kU4Bf16Rs; }
 
 // What a launch of args.kind needs of the workspace.
 size_t needed_bytes(const GroupedArgs& args, const DeviceInfo& dev) {
-  if (is_fp4(args.kind)) return fp4_workspace_bytes(args.R, args.K, args.E);
+  if (is_rs4(args.kind)) return rs4_workspace_bytes(args.R, args.K, args.E);
   size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
   if (wide_kind(args.kind) == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
   return need;
@@ -242,7 +261,8 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16: err = run_u4_bf16(a, dev, stream); break;
     case Kind::kU4Bf16N64: err = run_u4_bf16_n64(a, dev, stream); break;
     case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
-    case Kind::kFp4Bf16: err = run_fp4_bf16(a, dev, stream); break;
+    case Kind::kFp4Bf16:
+    case Kind::kU4Bf16Rs: err = run_rs4(a, dev, stream); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())
@@ -293,13 +313,16 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (!current_device(&dev)) return Error::Success();
   Kind kind = choose(p, R, dev);
   if (kind == Kind::kNone) return Error::Success();
-  // A workspace without room for the transposed scales was sized for the dequantizing path (the
-  // call was traced with HUMMING_JAX_PREFILL_MIXED=0): that path then.
+  // A workspace without room for the permuted activations of our 4-bit mainloop was sized for
+  // another path (the call was traced with HUMMING_JAX_PREFILL_FP4=0 or HUMMING_JAX_PREFILL_U4RS=0):
+  // that path then (for mxfp4 the dequantizing one, for uint4 the CUTLASS mixed-input kinds).
+  if (is_rs4(kind) && ws_bytes < rs4_workspace_bytes(R, p.K, p.w.E))
+    kind = kind == Kind::kU4Bf16Rs ? choose(p, R, dev, /*allow_rs4=*/false) : Kind::kBf16;
+  // Likewise a workspace without room for the transposed scales was sized for the dequantizing path
+  // (traced with HUMMING_JAX_PREFILL_MIXED=0).
   if (wide_kind(kind) == Kind::kU4Bf16 &&
       ws_bytes < workspace_bytes(kind, p.w.E, dev.sm_count) + mixed_scale_bytes(p.w.E, p.N, p.w.scale_cols()))
     kind = Kind::kBf16;
-  // Likewise for the MXFP4 kinds' permuted activations (traced with HUMMING_JAX_PREFILL_FP4=0).
-  if (is_fp4(kind) && ws_bytes < fp4_workspace_bytes(R, p.K, p.w.E)) kind = Kind::kBf16;
   GroupedArgs g;
   g.kind = kind;
   g.a = p.a.data;

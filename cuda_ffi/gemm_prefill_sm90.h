@@ -43,11 +43,16 @@ enum class Kind : int {
   // ... and of 256 token rows, from kTallRowsPerExpertMixed rows per expert on average.
   kU4Bf16N256 = 9,
   // MXFP4 (e2m1 codes, e8m0 scales per 1 x 32) x bf16 activations -> bf16 on our own mainloop
-  // (gemm_prefill_sm90_fp4.cu): the codes converted and scaled in registers into register-sourced
+  // (gemm_prefill_sm90_4bit.cu): the codes converted and scaled in registers into register-sourced
   // wgmma, tiles of 128 weight rows x up to 128 tokens (the tile's rows rounded up to 16); from
   // kMinRowsPerExpert up to below kFp4MaxRowsPerExpert rows per expert on average.
   // HUMMING_JAX_PREFILL_FP4=0 gives these calls back to the decode kernel and the dequantizing path.
   kFp4Bf16 = 10,
+  // The same mainloop for the uint4 calls of kU4Bf16 whose scale groups are whole 64-k tiles (or
+  // span K) and K % 64 == 0, from kMinRowsPerExpert up to below kU4RsMaxRowsPerExpert rows per
+  // expert. HUMMING_JAX_PREFILL_U4RS=0 gives them back to the CUTLASS mixed-input kinds;
+  // HUMMING_JAX_PREFILL_U4RS=<n> moves the upper bound to n rows per expert (for A/B timing).
+  kU4Bf16Rs = 11,
 };
 
 // The kind on 64-row tiles of a 128-row kind, and back (the 256-token mixed kind's 128-row kind is
@@ -88,8 +93,9 @@ constexpr int64_t kWideRowsPerExpertMixed = 128;
 // dequantizing path at 1024-4096 (benchmarks/NOTES.md, v9).
 constexpr int64_t kTallRowsPerExpertMixed = 256;
 
-// The MXFP4 kind's range of rows per expert (on average): up to below this many.
+// The range of rows per expert (on average) of the kinds on our 4-bit mainloop: up to below these.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
+constexpr int64_t kU4RsMaxRowsPerExpert = 128;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {
@@ -127,7 +133,8 @@ struct GroupedArgs {
 // HUMMING_JAX_PREFILL_MIXED=0); other quantized weights with 16-bit activations get the 16-bit
 // kind: they are dequantized into the workspace a chunk of experts at a time (dequantize_experts)
 // first.
-Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev);
+// allow_rs4 = false: as if our 4-bit mainloop's kinds (kFp4Bf16, kU4Bf16Rs) did not exist.
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4 = true);
 
 // Workspace bytes a kind needs for E experts on a device with sm_count SMs, including the slack
 // for aligning the base (<= the bound kWorkspaceBase + kWorkspacePerExpert * E).
@@ -139,9 +146,10 @@ constexpr size_t mixed_scale_bytes(int64_t E, int64_t N, int64_t scale_cols) {
   return static_cast<size_t>(E) * static_cast<size_t>(N) * static_cast<size_t>(scale_cols) * 2;
 }
 
-// Workspace bytes of the MXFP4 kind for R rows, K and E experts (the tile list and the permuted
-// activations, R x K bf16), including the alignment slack (humming_jax/ops/gemm.py, fp4_workspace_bytes).
-size_t fp4_workspace_bytes(int64_t R, int64_t K, int64_t E);
+// Workspace bytes of the kinds on our 4-bit mainloop (kFp4Bf16, kU4Bf16Rs) for R rows, K and E
+// experts (the tile list and the permuted activations, R x K bf16), including the alignment slack
+// (humming_jax/ops/gemm.py, rs4_workspace_bytes).
+size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E);
 
 // Launches the setup kernel and the GEMM on `stream`. Errors name the call; a workspace smaller
 // than workspace_bytes(kind, E, SMs) is an InvalidArgument that names the size needed.
@@ -177,7 +185,7 @@ std::string run_fp8_block128_m64(const GroupedArgs& args, const DeviceInfo& dev,
 std::string run_u4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16_n64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16_n256(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
-std::string run_fp4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
+std::string run_rs4(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);  // kFp4Bf16, kU4Bf16Rs
 
 }  // namespace prefill
 }  // namespace hj

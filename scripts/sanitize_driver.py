@@ -88,9 +88,9 @@ def main() -> None:
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
     # 128-row tiles for m = 1200 and 300 and 64-row tiles for m = 60; int4 through the mixed-input
-    # kinds (256-token tiles at m = 1200, 128 at 300, 64 at 60), mxfp4 through the dequantization
-    # buffer at m = 1200 and the MXFP4 kinds below (128-token tiles at 300, 64 at 60)), with an empty
-    # expert, uneven expert sizes and rows past off[E].
+    # kinds (256-token tiles at m = 1200, 128 at 300) and the 4-bit mainloop at 60, mxfp4 through the dequantization
+    # buffer at m = 1200 and the 4-bit mainloop below (tiles of up to 128 tokens at 300, 40 at 60)),
+    # with an empty expert, uneven expert sizes and rows past off[E].
     for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
                                        (1200, 300, 60)):
         spec = SCHEMES[scheme]

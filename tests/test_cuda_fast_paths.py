@@ -73,13 +73,14 @@ def _assert_close(got, want, dtype, what, tol=None):
 # kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below 64 rows per
 # expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); uint4 codes
 # without zero points with bf16 group scales and bf16 activations from 32 rows per expert on the
-# mixed-input kernels (64-token tiles below 128 rows, 256-token tiles from 256), mxfp4 with bf16
-# activations from 32 up to 767 rows per expert on the MXFP4 kernel (64-token tiles below 128 rows),
-# other quantized
+# mixed-input kernels (128-token tiles below 256 rows, 256-token tiles from 256; below 128 rows our
+# 4-bit mainloop when the groups are whole 64-k tiles), mxfp4 with bf16 activations from 32 up to 767
+# rows per expert on our 4-bit mainloop, other quantized
 # weights with 16-bit activations dequantized first, from 64 rows per expert for 8-bit codes and
 # from 128 for 4-bit ones;
 # HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 (HUMMING_JAX_PREFILL_FP4=0) gives the
-# mixed-input (MXFP4) calls to the decode kernel or the dequantizing path.
+# mixed-input (MXFP4) calls to the decode kernel or the dequantizing path, HUMMING_JAX_PREFILL_U4RS=0
+# the uint4 calls of the 4-bit mainloop to the mixed-input kinds.
 # ================================================================================================
 _PREFILL_LAUNCHES = _ffi.launch_counter("HjPrefillLaunches") if GPU is not None else None
 _SM90 = GPU is not None and str(getattr(GPU, "compute_capability", "")) == "9.0"
@@ -292,6 +293,7 @@ def _mixed_weight(rng, e, n, kdim, group_k):
 def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, monkeypatch, m, k, e, n, kdim, group_k,
                                                                         kind, bias):
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "0")  # the CUTLASS kinds at every size
     p = _gemm_inputs(rng, "w4a16-int4-g128", m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16,
                      weight=_mixed_weight(rng, e, n, kdim, group_k))
     rows, what = p["a"].shape[0], f"int4 g{group_k} {kind} M={m} E={e} N={n} K={kdim} bias={bias}"
@@ -332,17 +334,43 @@ FP4_CASES = [
 ]
 
 
+U4RS_CASES = [  # below 128 rows per expert; (M, top-k, E, N, K, routing, bias, group_k)
+    (256, 2, 8, 384, 512, "uniform", True, 128),  # 64 rows per expert
+    (128, 2, 8, 384, 512, "uniform", False, 128),  # 32
+    (192, 2, 8, 264, 384, "tail", True, 128),  # 48; N not a multiple of the tile; rows past off[E]
+    (512, 8, 64, 384, 640, "zero_rows", True, 128),  # ~190 on the used experts: several tiles each
+    (256, 2, 8, 200, 192, "uniform", False, 192),  # one group spanning K (3 tiles)
+    (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
+    (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles
+]
+
+
+def _rs4_params():
+    for case in FP4_CASES:
+        yield pytest.param("w4a16-mxfp4", *case, 32, id=f"mxfp4-{'-'.join(map(str, case))}")
+    for case in U4RS_CASES:
+        yield pytest.param("w4a16-int4-g128", *case, id=f"int4-{'-'.join(map(str, case))}")
+
+
 @requires_prefill
-@pytest.mark.parametrize("m,k,e,n,kdim,kind,bias", FP4_CASES)
-def test_prefill_mxfp4_matches_cpu_and_the_other_paths(rng, monkeypatch, m, k, e, n, kdim, kind, bias):
-    """MXFP4 weights with bf16 activations from 32 rows per expert: the in-register e2m1 kind runs
-    (one launch, no dequantization buffer), equal to the CPU, rows past off[E] zero; and equal up to
-    accumulation order to the decode kernel or the dequantizing path (HUMMING_JAX_PREFILL_FP4=0)."""
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
+def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch, scheme, m, k, e, n, kdim, kind,
+                                                              bias, group_k):
+    """MXFP4 weights (32-767 rows per expert) and uint4 ones (32-127) with bf16 activations: our
+    4-bit mainloop runs (one launch, no dequantization buffer or transposed scales), equal to the
+    CPU, rows past off[E] zero; and equal up to accumulation order to the path taken without it
+    (HUMMING_JAX_PREFILL_FP4=0: the decode kernel or the dequantizing path; HUMMING_JAX_PREFILL_U4RS=0:
+    the CUTLASS mixed-input kinds)."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4, raising=False)
-    p = _gemm_inputs(rng, "w4a16-mxfp4", m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16)
-    rows, what = p["a"].shape[0], f"mxfp4 {kind} M={m} E={e} N={n} K={kdim} bias={bias}"
-    assert gemm_ops.fp4_prefill(rows, p["w"], jnp.bfloat16, False)
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_U4RS, raising=False)
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
+    rows, what = p["a"].shape[0], f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
+    int4 = scheme.startswith("w4a16-int4")
+    assert (gemm_ops.u4rs_prefill if int4 else gemm_ops.fp4_prefill)(rows, p["w"], jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) == 0
+    assert gemm_ops.mixed_scale_bytes(rows, p["w"], jnp.bfloat16, False) == 0
     with _LaunchCount(_PREFILL_LAUNCHES) as launched:
         got = _run_gemm(GPU, p)
     assert launched.count == 1, "the MXFP4 prefill kernel did not run"
@@ -351,12 +379,12 @@ def test_prefill_mxfp4_matches_cpu_and_the_other_paths(rng, monkeypatch, m, k, e
     assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
     if kind == "tail":
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4, "0")
-    assert gemm_ops.fp4_workspace_bytes(rows, p["w"], jnp.bfloat16, False) == 0
-    dequantizing = rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * e
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS if int4 else gemm_ops.ENV_PREFILL_FP4, "0")
+    assert gemm_ops.rs4_workspace_bytes(rows, p["w"], jnp.bfloat16, False) == 0
+    prefill = int4 or rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * e  # else the decode kernel
     with _LaunchCount(_PREFILL_LAUNCHES) as other:
         again = _run_gemm(GPU, p)
-    assert other.count == int(dequantizing), "HUMMING_JAX_PREFILL_FP4=0 must give the call back"
+    assert other.count == int(prefill), "the switch must give the call back"
     _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
 
 
@@ -416,6 +444,8 @@ def test_prefill_mixed_input_declines_to_the_dequantizing_path(rng, what, make):
     # mxfp4 with bf16 activations: the MXFP4 kind's in-register w' (K = 3 and 4 tiles), and the
     # dequantizing path's (HUMMING_JAX_PREFILL_FP4=0)
     ("w4a16-mxfp4", jnp.bfloat16, 256, True), ("w4a16-mxfp4", jnp.bfloat16, 192, True),
+    # int4 on the 4-bit mainloop (its bound lifted to the test's 256 rows per expert)
+    ("w4a16-int4-g128", jnp.bfloat16, 256, "rs4"),
     # the dequantizing path: power-of-two groups (the scale column by a shift) of 16, 32, 128, K
     ("w4a16-int4-g128", jnp.float16, 256, False), ("w4a16-uint4-zp-g128", jnp.bfloat16, 256, False),
     ("w4a16-mxfp4", jnp.bfloat16, 256, False), ("w4a16-nvfp4", jnp.bfloat16, 256, False),
@@ -430,6 +460,7 @@ def test_prefill_quantized_weights_are_exact(rng, monkeypatch, scheme, dtype, kd
     if not mixed:
         monkeypatch.setenv("HUMMING_JAX_PREFILL_MIXED", "0")
         monkeypatch.setenv("HUMMING_JAX_PREFILL_FP4", "0")
+    monkeypatch.setenv("HUMMING_JAX_PREFILL_U4RS", "512" if mixed == "rs4" else "0")
     # 4-bit codes are dequantized from 128 rows per expert, 8-bit ones from 64.
     p = _gemm_inputs(rng, scheme, 1024 if scheme.startswith("w4") else 256, 2, 8, 256, kdim, "uniform", dtype=dtype)
     rows = p["a"].shape[0]

@@ -96,6 +96,7 @@ def test_mixed_input_calls_request_the_transposed_scales_instead(rng, monkeypatc
     K) and bf16 activations from 32 rows per expert: the mixed-input kernel's transposed scales
     (2 bytes per scale) and no dequantization buffer; HUMMING_JAX_PREFILL_MIXED=0 swaps the two."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "0")  # the CUTLASS kinds at every size
     e, n, k = 8, 384, 512
     w = _int4(rng, e, n, k)
     rows = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT * e
@@ -243,7 +244,7 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.fp4_prefill(rows, w, jnp.bfloat16, False), rows
         tiles = -(-rows // 64) + e + 1
-        assert gemm_ops.fp4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
     declined = {
         "too few rows": (gemm_ops.MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16, jnp.bfloat16),
@@ -258,10 +259,46 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     }
     for what, (r, wd, dtype, out) in declined.items():
         assert not gemm_ops.fp4_prefill(r, wd, dtype, False, out), what
-        assert gemm_ops.fp4_workspace_bytes(r, wd, dtype, False, out) == 0, what
+        assert gemm_ops.rs4_workspace_bytes(r, wd, dtype, False, out) == 0, what
     assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, True)  # 8-bit activations
     assert gemm_ops.dequant_buffer_bytes(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False) > 0
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4, "0")
     assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(256 * e, w, jnp.bfloat16, False) > 0
     assert gemm_ops.dequant_buffer_bytes(64 * e, w, jnp.bfloat16, False) == 0  # the decode kernel's
+
+
+def test_int4_calls_below_128_rows_per_expert_take_the_4bit_mainloop(rng, monkeypatch):
+    """uint4 calls of the mixed-input kinds with scale groups of whole 64-k tiles (or spanning K)
+    and K % 64 == 0 run on the 4-bit mainloop below 128 rows per expert: its permuted activations
+    and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0 gives them back, =<n> moves the bound."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_U4RS, raising=False)
+    e, n, k = 8, 384, 512
+    w = _int4(rng, e, n, k)
+    for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e - 1):
+        assert gemm_ops.u4rs_prefill(rows, w, jnp.bfloat16, False), rows
+        assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False), rows
+        assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
+        assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
+        tiles = -(-rows // 64) + e + 1
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+    wide = gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e
+    assert not gemm_ops.u4rs_prefill(wide, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(wide, w, jnp.bfloat16, False)
+    assert gemm_ops.rs4_workspace_bytes(wide, w, jnp.bfloat16, False) == 0
+    assert gemm_ops.u4rs_prefill(64 * e, _int4(rng, e, n, 192, group_k=192), jnp.bfloat16, False)  # spanning K
+    declined = {
+        "32-k groups": _int4(rng, e, n, k, group_k=32),
+        "96-k groups": _int4(rng, e, n, 576, group_k=96),
+        "K not a multiple of 64": _int4(rng, e, n, 160, group_k=160),
+    }
+    for what, wd in declined.items():
+        assert not gemm_ops.u4rs_prefill(64 * e, wd, jnp.bfloat16, False), what
+    assert not gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False, jnp.float32)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "0")
+    assert not gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(64 * e, w, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "512")
+    assert gemm_ops.u4rs_prefill(256 * e, w, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "many")
+    with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_U4RS"):
+        gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False)

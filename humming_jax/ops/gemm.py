@@ -141,9 +141,8 @@ MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.h, kMixedTileK
 _MAX_EXPERTS = 8192  # cuda_ffi/gemm_prefill_sm90.h, kMaxExperts
 
 
-def mixed_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> bool:
-    """Whether a ``gemm_grouped`` call of ``rows`` rows is one the mixed-input prefill kernel takes
-    (on an sm_90 device; elsewhere the workspace it asks for is ignored)."""
+def _mixed_input_fits(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> bool:
+    """uint4 codes the mixed-input kinds (or our 4-bit mainloop, u4rs_prefill) can take."""
     e, n, k = w.num_experts, w.n, w.k
     if os.environ.get(ENV_PREFILL_MIXED, "") == "0":
         return False
@@ -153,6 +152,13 @@ def mixed_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: boo
             and (w.group_k % MIXED_TILE_K == 0 or w.group_k >= k) and k % 32 == 0 and n % 8 == 0
             and 0 < e <= _MAX_EXPERTS and MIN_ROWS_PER_EXPERT * e <= rows
             and e * n * ((-(-k // w.group_k) + 7) // 8) < 2**31)
+
+
+def mixed_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> bool:
+    """Whether a ``gemm_grouped`` call of ``rows`` rows is one the CUTLASS mixed-input prefill kernel
+    takes (on an sm_90 device; elsewhere the workspace it asks for is ignored)."""
+    return (_mixed_input_fits(rows, w, act_dtype, act_quantized)
+            and not u4rs_prefill(rows, w, act_dtype, act_quantized))
 
 
 def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
@@ -167,7 +173,7 @@ def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
 # bf16 activations and output run on the MXFP4 prefill kinds (Kind::kFp4Bf16 of
 # cuda_ffi/gemm_prefill_sm90.h) from MIN_ROWS_PER_EXPERT up to below FP4_MAX_ROWS_PER_EXPERT rows per
 # expert: the codes are converted in the mainloop, and the activations are first copied into the
-# workspace in the mainloop's k order (fp4_workspace_bytes). K a multiple of 64, N of 8.
+# workspace in the mainloop's k order (rs4_workspace_bytes). K a multiple of 64, N of 8.
 # $HUMMING_JAX_PREFILL_FP4=0 (read when the call is traced, as by the CUDA handler at each call)
 # gives these calls back to the decode kernel and the dequantizing path.
 ENV_PREFILL_FP4 = "HUMMING_JAX_PREFILL_FP4"
@@ -188,12 +194,40 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
             and -(-rows // 64) + e + 1 <= 65535)
 
 
-def fp4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
+# uint4 calls of the mixed-input kinds whose scale groups are whole 64-k tiles (or span K), K a
+# multiple of 64, from MIN_ROWS_PER_EXPERT up to below U4RS_MAX_ROWS_PER_EXPERT rows per expert run on
+# the same 4-bit mainloop as MXFP4 (Kind::kU4Bf16Rs), with the same workspace (rs4_workspace_bytes)
+# instead of the transposed scales. $HUMMING_JAX_PREFILL_U4RS=0 keeps them on the mixed-input kinds;
+# =<n> moves the upper bound to n rows per expert (A/B timing); read when the call is traced, as by
+# the CUDA handler at each call.
+ENV_PREFILL_U4RS = "HUMMING_JAX_PREFILL_U4RS"
+U4RS_MAX_ROWS_PER_EXPERT = 128  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
+
+
+def u4rs_max_rows_per_expert() -> int:
+    """The upper bound (rows per expert, exclusive) of uint4 calls on the 4-bit mainloop; 0: none."""
+    override = _env_int(ENV_PREFILL_U4RS, "a whole number")
+    if override is None:
+        return U4RS_MAX_ROWS_PER_EXPERT
+    return max(0, override)
+
+
+def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool, out_dtype: Any = jnp.bfloat16) -> bool:
+    """Whether a ``gemm_grouped`` call of ``rows`` rows with uint4 weights runs on the 4-bit
+    mainloop (on an sm_90 device)."""
+    e, k = w.num_experts, w.k
+    return (_mixed_input_fits(rows, w, act_dtype, act_quantized) and jnp.dtype(out_dtype) == jnp.bfloat16
+            and k % 64 == 0 and (w.group_k % 64 == 0 or w.group_k >= k)
+            and rows < u4rs_max_rows_per_expert() * e and -(-rows // 64) + e + 1 <= 65535)
+
+
+def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
                         out_dtype: Any = jnp.bfloat16) -> int:
-    """Workspace bytes ``gemm_grouped`` adds for the MXFP4 kernel (its tile list and the permuted
-    activations; cuda_ffi/gemm_prefill_sm90_fp4.cu, fp4_workspace_bytes), 0 when the call does not
+    """Workspace bytes ``gemm_grouped`` adds for the 4-bit mainloop (its tile list and the permuted
+    activations; cuda_ffi/gemm_prefill_sm90_4bit.cu, rs4_workspace_bytes), 0 when the call does not
     take it."""
-    if not fp4_prefill(rows, w, act_dtype, act_quantized, out_dtype):
+    if not (fp4_prefill(rows, w, act_dtype, act_quantized, out_dtype)
+            or u4rs_prefill(rows, w, act_dtype, act_quantized, out_dtype)):
         return 0
     tile_list = (-(-rows // 64) + w.num_experts + 1) * 16
     return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2
@@ -204,7 +238,8 @@ def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantiz
     that path: 16-bit weights, 8-bit activations, too few rows per expert, K or N not a multiple
     of 8, scale groups that are not whole 8-column runs; or when the mixed-input kernel takes it)."""
     e, n, k = w.num_experts, w.n, w.k
-    if mixed_prefill(rows, w, act_dtype, act_quantized) or fp4_prefill(rows, w, act_dtype, act_quantized):
+    if (mixed_prefill(rows, w, act_dtype, act_quantized) or fp4_prefill(rows, w, act_dtype, act_quantized)
+            or u4rs_prefill(rows, w, act_dtype, act_quantized)):
         return 0
     if (w.wtype == WeightType.FLOAT or act_quantized or jnp.dtype(act_dtype) not in (jnp.bfloat16, jnp.float16)
             or e <= 0 or rows < dequant_min_rows_per_expert(w) * e or n % 8 or k % 8 or not (w.group_k % 8 == 0 or w.group_k >= k)):
@@ -241,7 +276,7 @@ def gemm_grouped(
             jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts)
                                   + dequant_buffer_bytes(a.shape[0], w, a.dtype, a_scale is not None)
                                   + mixed_scale_bytes(a.shape[0], w, a.dtype, a_scale is not None)
-                                  + fp4_workspace_bytes(a.shape[0], w, a.dtype, a_scale is not None, out_dtype),),
+                                  + rs4_workspace_bytes(a.shape[0], w, a.dtype, a_scale is not None, out_dtype),),
                                  jnp.uint8),
         ),
         *ops,

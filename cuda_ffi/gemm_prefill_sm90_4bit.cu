@@ -1,6 +1,8 @@
-// Kind::kFp4Bf16 (gemm_prefill_sm90.h): the grouped GEMM for MXFP4 weights (e2m1 codes, one e8m0
-// scale per 1 x 32 weights) with bf16 activations, our own sm_90a mainloop. CUTLASS's mixed-input
-// collective cannot take it (its K tile must hold whole scale groups of at least 64 k), so:
+// Kind::kFp4Bf16 and Kind::kU4Bf16Rs (gemm_prefill_sm90.h): the grouped GEMM for 4-bit codes with
+// bf16 activations on our own sm_90a mainloop: MXFP4 (e2m1 codes, one e8m0 scale per 1 x 32
+// weights), which CUTLASS's mixed-input collective cannot take (its K tile must hold whole scale
+// groups of at least 64 k), and uint4 (offset 8) with bf16 scales per 1 x group_k, group_k a
+// multiple of 64 (or spanning K), where it replaces that collective at few rows per expert. So:
 //
 //  * Operands swapped as in the uint4 kinds: 64 weight rows per warpgroup (128 per CTA) are wgmma's
 //    A operand, converted from the codes in registers (A from registers), and a tile of up to 128
@@ -14,11 +16,13 @@
 //    8t .. 8t+7 of each of its weight rows' 32-byte tile (one 8-byte shared load, conflict-free),
 //    and the decode kernel's two-instruction e2m1 -> bf16 placement pairs nibbles p and p + 4 of a
 //    word. The activations are therefore copied once, before the GEMM, into the workspace in the
-//    matching order (permute_kernel, fp4_k_of below): logical k L = 16 j + 8 s + 2 t + h of the
+//    matching order (permute4_kernel, rs4_k_of below): logical k L = 16 j + 8 s + 2 t + h of the
 //    tile holds the activation of physical k 16 t + 8 (j >> 1) + 2 (j & 1) + s + 4 h.
 //  * Each 32-k scale group lies in one lane's bytes (t >> 1 picks the group), so the scale is
 //    applied in registers before the MMA: w' = bf16(e2m1 * 2^(s-127)) exactly, as the contract's
-//    float32-then-round gives (one bf16 multiply of exact factors; fp4_factors).
+//    float32-then-round gives (one bf16 multiply of exact factors; fp4_factors). uint4: the
+//    decode kernel's magic-number conversion, bf16(128 + q) - 136 = q - 8 exactly, times the bf16
+//    scale: one rounding of an exact product, the contract's w'.
 //  * A ring of kStages cp.async stages (codes + activations) filled by all 256 threads; wgmma is
 //    asynchronous, so the conversion of tile k + 1 overlaps the MMAs of tile k (A registers double
 //    buffered). Two CTAs per SM, so that one's pipeline fill and epilogue overlap the other's
@@ -65,14 +69,20 @@ constexpr int kSmem = (kRingBytes > kMaxTokens * kOutStride ? kRingBytes : kMaxT
 
 // Physical k (within a 64-k tile) of the activation that logical position L of the permuted tile
 // holds. The mapping of the lanes' code bytes onto wgmma's A fragment (module comment).
-__host__ __device__ constexpr int fp4_k_of(int L) {
+__host__ __device__ constexpr int rs4_k_of(int L) {
   return 16 * ((L >> 1) & 3) + 8 * (L >> 5) + 2 * ((L >> 4) & 1) + ((L >> 3) & 1) + 4 * (L & 1);
 }
 
-struct Fp4Params {
+// The codes' format: e2m1 with e8m0 scales per 32 k, or uint4 (offset 8) with bf16 scales per
+// group_k (whole 64-k tiles).
+enum class Codes : int { kE2M1 = 0, kU4 = 1 };
+
+struct Params4 {
   const __nv_bfloat16* a;   // permuted activations [R, K] (workspace)
-  const uint8_t* w;         // [E, N, K / 2] e2m1 codes
-  const uint8_t* scale;     // [E, N, K / 32] e8m0
+  const uint8_t* w;         // [E, N, K / 2] codes, low nibble first
+  const void* scale;        // e2m1: [E, N, K / 32] e8m0; uint4: [E, N, scale_cols] bf16
+  int scale_cols;           // uint4: scale columns per weight row
+  decode::FastDiv div_tpg;  // uint4: 64-k tile -> scale column (tiles per group)
   const float* bias;        // [E, N] or nullptr
   __nv_bfloat16* c;         // [R, N]
   const int4* tiles;        // (expert, first row, rows, 0)
@@ -237,7 +247,7 @@ struct Mma<128> {
 // block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
 // share of the zero tail. An expert's rows are split into ceil(rows / kMaxTokens) near-equal tiles.
 // ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kSetupThreads) fp4_setup_kernel(const int32_t* offsets, int E, int R, int4* tiles,
+__global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* offsets, int E, int R, int4* tiles,
                                                                   int* count, __nv_bfloat16* c, int64_t N) {
   extern __shared__ int32_t s_hi[];  // [E], block 0 only
   int last;
@@ -279,9 +289,9 @@ __global__ void __launch_bounds__(kSetupThreads) fp4_setup_kernel(const int32_t*
   zero_rows(c, N * 2, last, R);
 }
 
-// The activations in the mainloop's k order (fp4_k_of), a 64-k tile at a time: a warp copies four
+// The activations in the mainloop's k order (rs4_k_of), a 64-k tile at a time: a warp copies four
 // tiles (512 bytes) through shared memory, each lane then writes 16 bytes of the result.
-__global__ void __launch_bounds__(256) fp4_permute_kernel(const uint16_t* a, uint16_t* out, int64_t tiles) {
+__global__ void __launch_bounds__(256) permute4_kernel(const uint16_t* a, uint16_t* out, int64_t tiles) {
   __shared__ uint16_t s[8][4 * kBK];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int sub = lane >> 3, c = lane & 7;  // lane's tile of the four and its 16-byte chunk
@@ -293,8 +303,8 @@ __global__ void __launch_bounds__(256) fp4_permute_kernel(const uint16_t* a, uin
     uint32_t v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = s[warp][sub * kBK + fp4_k_of(c * 8 + 2 * i)];
-      const uint32_t hi = s[warp][sub * kBK + fp4_k_of(c * 8 + 2 * i + 1)];
+      const uint32_t lo = s[warp][sub * kBK + rs4_k_of(c * 8 + 2 * i)];
+      const uint32_t hi = s[warp][sub * kBK + rs4_k_of(c * 8 + 2 * i + 1)];
       v[i] = lo | (hi << 16);
     }
     if (ok) *reinterpret_cast<uint4*>(out + (t0 + sub) * kBK + c * 8) = make_uint4(v[0], v[1], v[2], v[3]);
@@ -302,12 +312,24 @@ __global__ void __launch_bounds__(256) fp4_permute_kernel(const uint16_t* a, uin
   }
 }
 
+// w' of nibbles P and P + 4 of a word as a bf16 pair, f1 the row's scale factor (e2m1: the first
+// factor of fp4_factors; uint4: the bf16 scale in both halves).
+template <Codes C, int P>
+__device__ __forceinline__ uint32_t pair(uint32_t word, uint32_t f1) {
+  if constexpr (C == Codes::kE2M1) {
+    return hmul2<false>(e2m1_bits<P, 6>(word), f1);
+  } else {
+    const uint32_t m = decode::and_or(decode::shift_left<-4 * P>(word), 0x000f000fu, 0x43004300u);  // 128 + q
+    return hmul2<false>(decode::hsub2<false>(m, 0x43084308u), f1);                                   // (q - 8) * s
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One CTA tile: 128 weight rows from n0 of expert e x `rows` token rows from row0, on the mainloop
 // of width BN (rows rounded up to 16).
 // ---------------------------------------------------------------------------------------------
-template <int BN>
-__device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, int rows, int n0, uint8_t* smem,
+template <Codes C, int BN>
+__device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int rows, int n0, uint8_t* smem,
                                          uint32_t base) {
   constexpr int kAcc = BN / 2;  // accumulators per thread
   // Double-buffered A fragments (the conversion of tile k + 1 overlaps tile k's MMAs) up to 96
@@ -325,15 +347,16 @@ __device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, in
 
   const int64_t row_bytes = K / 2;
   const uint8_t* wexp = P.w + static_cast<int64_t>(e) * N * row_bytes;
-  const int scols = K / 32;
-  const uint8_t* sexp = P.scale + static_cast<int64_t>(e) * N * scols;
+  const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
   const __nv_bfloat16* arow0 = P.a + static_cast<int64_t>(row0) * K;
 
   // This thread's weight rows in the CTA tile: wg * 64 + warp * 16 + g + 8 h.
   auto my_row = [&](int h) { return wg * 64 + warp * 16 + g + 8 * h; };
-  const uint8_t* srow[2];
+  // Scale index of each of the thread's rows at k tile 0 (e2m1: the lane's 32-k group t >> 1).
+  int64_t srow[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) srow[h] = sexp + static_cast<int64_t>(min(n0 + my_row(h), N - 1)) * scols + (t >> 1);
+  for (int h = 0; h < 2; ++h)
+    srow[h] = (static_cast<int64_t>(e) * N + min(n0 + my_row(h), N - 1)) * scols + (C == Codes::kE2M1 ? (t >> 1) : 0);
 
   // Each thread's cp.async sources, advanced by one k tile per stage: one 16-byte chunk of codes
   // (row tid / 2) and kActChunks of activations (rows past the tile's are zero-filled: no read).
@@ -368,9 +391,14 @@ __device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, in
   // kt has read it, so the ring needs no register copies (a copy would wait for the load).
   uint32_t sc[2][2];
   auto load_scales = [&](int kt, uint32_t (&dst)[2]) {
-    const int k = min(kt, KT - 1) * 2;
+    const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) dst[h] = __ldg(srow[h] + k);
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (C == Codes::kE2M1)
+        dst[h] = __ldg(static_cast<const uint8_t*>(P.scale) + srow[h] + 2 * k);
+      else
+        dst[h] = __ldg(static_cast<const unsigned short*>(P.scale) + srow[h] + P.div_tpg.div(k));
+    }
   };
   load_scales(0, sc[0]);
   load_scales(1, sc[1]);
@@ -400,21 +428,30 @@ __device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, in
       uint32_t words[2];
       decode::lds64(words, code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
       uint32_t f1;
-      bool tw;
-      fp4_factors(sc[B][h], f1, f2[h], tw);
-      two |= tw;
+      if constexpr (C == Codes::kE2M1) {
+        bool tw;
+        fp4_factors(sc[B][h], f1, f2[h], tw);
+        two |= tw;
+      } else {
+        f1 = sc[B][h] * 0x10001u;
+        f2[h] = 0x3f803f80u;  // 1.0
+        two |= sc[B][h] == 0u;
+      }
 #pragma unroll
       for (int wd = 0; wd < 2; ++wd) {
         // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
-        afrag[A][2 * wd + 0][0 + h] = hmul2<false>(e2m1_bits<0, 6>(words[wd]), f1);
-        afrag[A][2 * wd + 0][2 + h] = hmul2<false>(e2m1_bits<1, 6>(words[wd]), f1);
-        afrag[A][2 * wd + 1][0 + h] = hmul2<false>(e2m1_bits<2, 6>(words[wd]), f1);
-        afrag[A][2 * wd + 1][2 + h] = hmul2<false>(e2m1_bits<3, 6>(words[wd]), f1);
+        afrag[A][2 * wd + 0][0 + h] = pair<C, 0>(words[wd], f1);
+        afrag[A][2 * wd + 0][2 + h] = pair<C, 1>(words[wd], f1);
+        afrag[A][2 * wd + 1][0 + h] = pair<C, 2>(words[wd], f1);
+        afrag[A][2 * wd + 1][2 + h] = pair<C, 3>(words[wd], f1);
       }
     }
     load_scales(kt + 2, sc[B]);
     // e8m0 scales above 128 (weights beyond +-12) practically never occur: one vote per warp and
-    // tile, and the second factor only then (1.0 for the rows that do not need it).
+    // tile, and the second factor only then (1.0 for the rows that do not need it). The branch also
+    // keeps ptxas from scheduling conversion instructions past wgmma.fence, which it answers by
+    // serializing every wgmma (C7513); uint4 therefore keeps one too, on a zero scale, with the
+    // factor 1.0 (no change to any value).
     if (__any_sync(0xffffffffu, two)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -423,6 +460,10 @@ __device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, in
     }
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);  // converted before the fence, not between MMAs
     wgmma_fence();
     const uint32_t dlo = smem_desc_lo(act0 + s * kActBytes);
 #pragma unroll
@@ -473,7 +514,8 @@ __device__ __forceinline__ void fp4_tile(const Fp4Params& P, int e, int row0, in
 }
 
 // Grid: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
-__global__ void __launch_bounds__(kThreads, 2) fp4_gemm_kernel(Fp4Params P) {
+template <Codes C>
+__global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
   extern __shared__ uint8_t smem_raw[];
   const int tile_idx = static_cast<int>(blockIdx.y);
   if (tile_idx >= __ldg(P.count)) return;
@@ -482,20 +524,38 @@ __global__ void __launch_bounds__(kThreads, 2) fp4_gemm_kernel(Fp4Params P) {
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
   switch ((tile.z + 15) >> 4) {  // the tile's rows (1 .. kMaxTokens) in 16s
-    case 1: fp4_tile<16>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    case 2: fp4_tile<32>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    case 3: fp4_tile<48>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    case 4: fp4_tile<64>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    case 5: fp4_tile<80>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    case 6: fp4_tile<96>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    case 7: fp4_tile<112>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
-    default: fp4_tile<128>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 1: tile4<C, 16>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 2: tile4<C, 32>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 3: tile4<C, 48>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 4: tile4<C, 64>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 5: tile4<C, 80>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 6: tile4<C, 96>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    case 7: tile4<C, 112>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
+    default: tile4<C, 128>(P, tile.x, tile.y, tile.z, n0, smem, base); break;
   }
+}
+
+// The shared-memory limit is raised once per device (a per-context attribute).
+template <Codes C>
+std::string prepare_device(int device) {
+  static std::mutex mu;
+  static bool done[64] = {};
+  if (device < 0 || device >= 64) return "device index out of range";
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done[device]) {
+    const cudaError_t e = cudaFuncSetAttribute(gemm4_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
+    }
+    done[device] = true;
+  }
+  return std::string();
 }
 
 }  // namespace
 
-size_t fp4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
+size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
   // Count (128 bytes), tile list (at most R / 64 + E + 1 entries of 16 bytes, a bound with room to
   // spare: each expert adds at most one tile beyond R / kMaxTokens), the activations at a 128-byte
   // boundary, and the slack run_grouped spends on aligning the base.
@@ -503,7 +563,8 @@ size_t fp4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
   return 128 + (128 + list + 127) / 128 * 128 + static_cast<size_t>(R) * static_cast<size_t>(K) * 2;
 }
 
-std::string run_fp4_bf16(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
+std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
+  const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
   const int64_t max_tiles = (g.R + kMaxTokens - 1) / kMaxTokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
@@ -515,40 +576,32 @@ std::string run_fp4_bf16(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   if (g.workspace_bytes < act_off + static_cast<size_t>(g.R) * static_cast<size_t>(g.K) * 2)
     return "workspace too small for the permuted activations";
   {
-    // The shared-memory limit is raised once per device (a per-context attribute).
-    static std::mutex mu;
-    static bool done[64] = {};
-    if (dev.device < 0 || dev.device >= 64) return "device index out of range";
-    std::lock_guard<std::mutex> lock(mu);
-    if (!done[dev.device]) {
-      const cudaError_t e = cudaFuncSetAttribute(fp4_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(e);
-      }
-      done[dev.device] = true;
-    }
+    const std::string e = codes == Codes::kE2M1 ? prepare_device<Codes::kE2M1>(dev.device) : prepare_device<Codes::kU4>(dev.device);
+    if (!e.empty()) return e;
   }
   // Rows past the last expert: a share per block, as in the other kinds' setup.
   const int64_t zero_work = g.R * g.N / 8;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
-  fp4_setup_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
+  setup4_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
       g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), tiles, count, static_cast<__nv_bfloat16*>(g.c), g.N);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("fp4_setup_kernel: ") + cudaGetErrorString(err);
+  if (err != cudaSuccess) return std::string("setup4_kernel: ") + cudaGetErrorString(err);
   const int64_t ktiles = g.R * (g.K / kBK);
   if (ktiles > 0) {
     const int64_t pblocks = std::min<int64_t>((ktiles + 31) / 32, int64_t{dev.sm_count} * 16);
-    fp4_permute_kernel<<<static_cast<unsigned>(pblocks), 256, 0, stream>>>(static_cast<const uint16_t*>(g.a),
+    permute4_kernel<<<static_cast<unsigned>(pblocks), 256, 0, stream>>>(static_cast<const uint16_t*>(g.a),
                                                                            reinterpret_cast<uint16_t*>(act), ktiles);
     err = cudaGetLastError();
-    if (err != cudaSuccess) return std::string("fp4_permute_kernel: ") + cudaGetErrorString(err);
+    if (err != cudaSuccess) return std::string("permute4_kernel: ") + cudaGetErrorString(err);
   }
-  Fp4Params P;
+  Params4 P;
   P.a = act;
   P.w = static_cast<const uint8_t*>(g.w);
-  P.scale = static_cast<const uint8_t*>(g.w_scale_raw);
+  P.scale = g.w_scale_raw;
+  P.scale_cols = static_cast<int>(g.scale_cols);
+  // 64-k tiles per scale group (uint4; a group spanning K: any count beyond the tiles of K).
+  P.div_tpg = decode::make_fastdiv(static_cast<uint32_t>(g.group_k >= g.K ? (g.K + kBK - 1) / kBK : g.group_k / kBK));
   P.bias = g.bias;
   P.c = static_cast<__nv_bfloat16*>(g.c);
   P.tiles = tiles;
@@ -556,9 +609,12 @@ std::string run_fp4_bf16(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
   const dim3 grid(static_cast<unsigned>((g.N + kRows - 1) / kRows), static_cast<unsigned>(max_tiles));
-  fp4_gemm_kernel<<<grid, kThreads, kSmem, stream>>>(P);
+  if (codes == Codes::kE2M1)
+    gemm4_kernel<Codes::kE2M1><<<grid, kThreads, kSmem, stream>>>(P);
+  else
+    gemm4_kernel<Codes::kU4><<<grid, kThreads, kSmem, stream>>>(P);
   err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string("fp4_gemm_kernel: ") + cudaGetErrorString(err);
+  return err == cudaSuccess ? std::string() : std::string("gemm4_kernel: ") + cudaGetErrorString(err);
 }
 
 }  // namespace prefill

@@ -289,25 +289,36 @@ __global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* of
   zero_rows(c, N * 2, last, R);
 }
 
-// The activations in the mainloop's k order (rs4_k_of), a 64-k tile at a time: a warp copies four
-// tiles (512 bytes) through shared memory, each lane then writes 16 bytes of the result.
+// The activations in the mainloop's k order (rs4_k_of), 64-k tiles of 128 bytes: a warp copies
+// kPermuteTiles tiles through shared memory per pass (each lane kPermuteTiles / 4 independent
+// 16-byte loads in flight), then each lane writes its 16-byte chunks of the result.
+constexpr int kPermuteTiles = 16;
 __global__ void __launch_bounds__(256) permute4_kernel(const uint16_t* a, uint16_t* out, int64_t tiles) {
-  __shared__ uint16_t s[8][4 * kBK];
+  __shared__ uint4 s[8][kPermuteTiles * kBK / 8];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int sub = lane >> 3, c = lane & 7;  // lane's tile of the four and its 16-byte chunk
-  for (int64_t t0 = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * 4; t0 < tiles;
-       t0 += static_cast<int64_t>(gridDim.x) * 32) {
-    const bool ok = t0 + sub < tiles;
-    if (ok) *reinterpret_cast<uint4*>(&s[warp][sub * kBK + c * 8]) = *reinterpret_cast<const uint4*>(a + (t0 + sub) * kBK + c * 8);
-    __syncwarp();
-    uint32_t v[4];
+  const int sub = lane >> 3, c = lane & 7;  // the lane's tile within each group of four, its chunk
+  const uint16_t* sw = reinterpret_cast<const uint16_t*>(s[warp]);
+  for (int64_t t0 = (static_cast<int64_t>(blockIdx.x) * 8 + warp) * kPermuteTiles; t0 < tiles;
+       t0 += static_cast<int64_t>(gridDim.x) * 8 * kPermuteTiles) {
+    uint4 v[kPermuteTiles / 4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = s[warp][sub * kBK + rs4_k_of(c * 8 + 2 * i)];
-      const uint32_t hi = s[warp][sub * kBK + rs4_k_of(c * 8 + 2 * i + 1)];
-      v[i] = lo | (hi << 16);
+    for (int q = 0; q < kPermuteTiles / 4; ++q) {
+      const int64_t t = t0 + 4 * q + sub;
+      if (t < tiles) v[q] = *reinterpret_cast<const uint4*>(a + t * kBK + c * 8);
     }
-    if (ok) *reinterpret_cast<uint4*>(out + (t0 + sub) * kBK + c * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+#pragma unroll
+    for (int q = 0; q < kPermuteTiles / 4; ++q) s[warp][(4 * q + sub) * 8 + c] = v[q];
+    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < kPermuteTiles / 4; ++q) {
+      const int64_t t = t0 + 4 * q + sub;
+      const uint16_t* in = sw + (4 * q + sub) * kBK;
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = static_cast<uint32_t>(in[rs4_k_of(c * 8 + 2 * i)]) | (static_cast<uint32_t>(in[rs4_k_of(c * 8 + 2 * i + 1)]) << 16);
+      if (t < tiles) *reinterpret_cast<uint4*>(out + t * kBK + c * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
     __syncwarp();
   }
 }
@@ -589,7 +600,7 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   if (err != cudaSuccess) return std::string("setup4_kernel: ") + cudaGetErrorString(err);
   const int64_t ktiles = g.R * (g.K / kBK);
   if (ktiles > 0) {
-    const int64_t pblocks = std::min<int64_t>((ktiles + 31) / 32, int64_t{dev.sm_count} * 16);
+    const int64_t pblocks = std::min<int64_t>((ktiles + 8 * kPermuteTiles - 1) / (8 * kPermuteTiles), int64_t{dev.sm_count} * 16);
     permute4_kernel<<<static_cast<unsigned>(pblocks), 256, 0, stream>>>(static_cast<const uint16_t*>(g.a),
                                                                            reinterpret_cast<uint16_t*>(act), ktiles);
     err = cudaGetLastError();

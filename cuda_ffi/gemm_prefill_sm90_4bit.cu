@@ -611,8 +611,11 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.w = static_cast<const uint8_t*>(g.w);
   P.scale = g.w_scale_raw;
   P.scale_cols = static_cast<int>(g.scale_cols);
-  // 64-k tiles per scale group (uint4; a group spanning K: any count beyond the tiles of K).
-  P.div_tpg = decode::make_fastdiv(static_cast<uint32_t>(g.group_k >= g.K ? (g.K + kBK - 1) / kBK : g.group_k / kBK));
+  // 64-k tiles per scale group (uint4; a group spanning K: any count beyond the tiles of K; e2m1
+  // does not use it, and its 32-k groups would make it zero, a division by zero on the host).
+  const int64_t tpg = codes == Codes::kE2M1 ? 1 : (g.group_k >= g.K ? (g.K + kBK - 1) / kBK : g.group_k / kBK);
+  if (tpg < 1) return "scale groups must be whole 64-k tiles";
+  P.div_tpg = decode::make_fastdiv(static_cast<uint32_t>(tpg));
   P.bias = g.bias;
   P.c = static_cast<__nv_bfloat16*>(g.c);
   P.tiles = tiles;

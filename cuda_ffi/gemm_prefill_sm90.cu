@@ -198,8 +198,8 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
 Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
   const Kind wide = choose_wide(p, R, dev, allow_rs4);
   if (wide == Kind::kNone) return wide;
-  const int forced = tile_rows_from_env();
   if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs) return wide;  // tile widths follow each tile's rows
+  const int forced = tile_rows_from_env();
   if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
     return Kind::kU4Bf16N256;
   if (forced == 128 || forced == 256) return wide;

@@ -564,14 +564,19 @@ std::string prepare_device(int device) {
   return std::string();
 }
 
+// The workspace from its (128-byte aligned) base: the tile count (128 bytes), the tile list (at most
+// R / 64 + E + 1 entries of 16 bytes, a bound with room to spare: each expert adds at most one tile
+// beyond R / kMaxTokens), then the permuted activations from act_offset, 128-byte aligned.
+size_t act_offset(int64_t R, int64_t E) {
+  const size_t list = static_cast<size_t>((R + 63) / 64 + E + 1) * 16;
+  return (128 + list + 127) / 128 * 128;
+}
+
 }  // namespace
 
 size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
-  // Count (128 bytes), tile list (at most R / 64 + E + 1 entries of 16 bytes, a bound with room to
-  // spare: each expert adds at most one tile beyond R / kMaxTokens), the activations at a 128-byte
-  // boundary, and the slack run_grouped spends on aligning the base.
-  const size_t list = static_cast<size_t>((R + 63) / 64 + E + 1) * 16;
-  return 128 + (128 + list + 127) / 128 * 128 + static_cast<size_t>(R) * static_cast<size_t>(K) * 2;
+  // ... plus the slack run_grouped spends on aligning the base.
+  return 128 + act_offset(R, E) + static_cast<size_t>(R) * static_cast<size_t>(K) * 2;
 }
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
@@ -581,8 +586,7 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
   int* count = reinterpret_cast<int*>(ws);
   int4* tiles = reinterpret_cast<int4*>(ws + 128);
-  const size_t list = static_cast<size_t>((g.R + 63) / 64 + g.E + 1) * 16;
-  const size_t act_off = (128 + list + 127) / 128 * 128;
+  const size_t act_off = act_offset(g.R, g.E);
   __nv_bfloat16* act = reinterpret_cast<__nv_bfloat16*>(ws + act_off);
   if (g.workspace_bytes < act_off + static_cast<size_t>(g.R) * static_cast<size_t>(g.K) * 2)
     return "workspace too small for the permuted activations";

@@ -192,10 +192,13 @@ HJ_HD void store_elem(ElemType t, void* p, int64_t i, float v) {
 
 // ----------------------------------------------------------------------------------------
 // Expert ids: a global id maps to a local slot, or to -1 ("skip"). Ids are data, so this is
-// the only gate between a routed id and any address computed from it.
+// the only gate between a routed id and any address computed from it. An empty map
+// (num_global == 0) is the identity over the local experts, what a caller without a map means:
+// ids in [0, num_local) are their own slots, every other id is skipped.
 // ----------------------------------------------------------------------------------------
 HJ_HD int32_t local_expert(int32_t id, const int32_t* expert_map, int64_t num_global,
                            int64_t num_local) {
+  if (num_global == 0) return (id >= 0 && id < num_local) ? id : -1;
   if (id < 0 || id >= num_global) return -1;
   const int32_t l = expert_map[id];
   return (l >= 0 && l < num_local) ? l : -1;

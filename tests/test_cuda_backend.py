@@ -105,6 +105,23 @@ def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
         np.testing.assert_array_equal(g, c, err_msg=f"grouped {name}")
 
 
+@pytest.mark.parametrize("m,k,e_local,block_m", [(1, 8, 128, 16), (11, 3, 8, 16), (300, 2, 8, 64), (5000, 6, 256, 32)])
+def test_routing_with_empty_expert_map_matches_cpu(rng, m, k, e_local, block_m):
+    """No expert map (an empty one: the identity over the local experts) on both routing kernels
+    (single-warp at <= 32 entries, per-expert above), ids past e_local and out of range skipped."""
+    ids, _ = random_routing(rng, m, k, e_local + 5, e_local, 0.1)
+    emap = jnp.zeros((0,), jnp.int32)
+    ci, gi = both(lambda i, e: routing_ops.routing_indexed(i, e, e_local, block_m), ids, emap)
+    for name, c, g in zip(routing_ops.IndexedRouting._fields, ci, gi):
+        np.testing.assert_array_equal(g, c, err_msg=f"indexed {name}")
+    cg, gg = both(lambda i, e: routing_ops.routing_grouped(i, e, e_local), ids, emap)
+    for name, c, g in zip(routing_ops.GroupedRouting._fields, cg, gg):
+        np.testing.assert_array_equal(g, c, err_msg=f"grouped {name}")
+    src = np.asarray(cg[2]).reshape(-1)
+    flat = np.asarray(ids).reshape(-1)
+    assert ((src >= 0) == ((flat >= 0) & (flat < e_local))).all()
+
+
 @pytest.mark.parametrize("m,k,e_global,e_local,block_m,pad", [c for c in ROUTING_CASES if c[0] * c[1] <= 32])
 def test_routing_per_expert_kernel_at_decode_sizes(rng, monkeypatch, m, k, e_global, e_local, block_m, pad):
     """HUMMING_JAX_ROUTING_SMALL=0 keeps the per-expert kernel at decode sizes: it must agree too."""

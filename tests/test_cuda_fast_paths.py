@@ -334,7 +334,7 @@ FP4_CASES = [
 ]
 
 
-U4RS_CASES = [  # below 128 rows per expert; (M, top-k, E, N, K, routing, bias, group_k)
+U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, N, K, routing, bias, group_k)
     (256, 2, 8, 384, 512, "uniform", True, 128),  # 64 rows per expert
     (128, 2, 8, 384, 512, "uniform", False, 128),  # 32
     (192, 2, 8, 264, 384, "tail", True, 128),  # 48; N not a multiple of the tile; rows past off[E]
@@ -342,6 +342,7 @@ U4RS_CASES = [  # below 128 rows per expert; (M, top-k, E, N, K, routing, bias, 
     (256, 2, 8, 200, 192, "uniform", False, 192),  # one group spanning K (3 tiles)
     (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
     (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles
+    (1280, 1, 8, 264, 512, "uniform", True, 128),  # 160 rows per expert: two tiles each, N = 264
 ]
 
 
@@ -356,7 +357,7 @@ def _rs4_params():
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch, scheme, m, k, e, n, kdim, kind,
                                                               bias, group_k):
-    """MXFP4 weights (32-767 rows per expert) and uint4 ones (32-127) with bf16 activations: our
+    """MXFP4 weights (32-767 rows per expert) and uint4 ones (32-191) with bf16 activations: our
     4-bit mainloop runs (one launch, no dequantization buffer or transposed scales), equal to the
     CPU, rows past off[E] zero; and equal up to accumulation order to the path taken without it
     (HUMMING_JAX_PREFILL_FP4=0: the decode kernel or the dequantizing path; HUMMING_JAX_PREFILL_U4RS=0:

@@ -168,6 +168,7 @@ def test_quantized_prefill_call_requests_the_buffer_and_matches_the_reference(rn
     HUMMING_JAX_PREFILL_MIXED=0 the dequantized experts) is only requested (the handler ignores
     it); the result is the dequantized product either way."""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIXED, mixed)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "0")  # the CUTLASS kinds at every size
     e, n, k, topk = 2, 16, 256, 1
     m = gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT * e
     w = _int4(rng, e, n, k)
@@ -268,10 +269,10 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     assert gemm_ops.dequant_buffer_bytes(64 * e, w, jnp.bfloat16, False) == 0  # the decode kernel's
 
 
-def test_int4_calls_below_128_rows_per_expert_take_the_4bit_mainloop(rng, monkeypatch):
+def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch):
     """uint4 calls of the mixed-input kinds with scale groups of whole 64-k tiles (or spanning K)
-    and K % 64 == 0 run on the 4-bit mainloop below 128 rows per expert: its permuted activations
-    and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0 gives them back, =<n> moves the bound."""
+    and K % 64 == 0 run on the 4-bit mainloop below U4RS_MAX_ROWS_PER_EXPERT rows per expert: its
+    permuted activations and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0 gives them back, =<n> moves the bound."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_U4RS, raising=False)
     e, n, k = 8, 384, 512

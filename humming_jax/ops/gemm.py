@@ -15,22 +15,21 @@ from ..weights import PackedWeight
 from .routing import IndexedRouting
 
 
-def _placeholder(dtype: Any) -> jax.Array:
-    # Stands for an absent operand; the handler ignores it (its has_* attribute is 0).
-    return jnp.zeros((1,), dtype)
-
-
 def _operands(
     a: jax.Array, a_scale: jax.Array | None, w: PackedWeight, bias: jax.Array | None, act_group_k: int
 ) -> tuple[list[jax.Array], dict[str, int]]:
+    # An absent operand's slot holds the weight codes again: the handlers take every operand as an
+    # untyped buffer and read an optional one only when its has_* attribute (or the activation or
+    # weight type) says it is there. A zero array in its place would cost a device kernel per call.
+    stand_in = w.data
     ops = [
         a,
-        a_scale if a_scale is not None else _placeholder(jnp.float32),
+        a_scale if a_scale is not None else stand_in,
         w.data,
-        w.scale if w.scale is not None else _placeholder(jnp.float32),
-        w.zero if w.zero is not None else _placeholder(jnp.uint8),
-        w.scale2 if w.scale2 is not None else _placeholder(jnp.float32),
-        bias if bias is not None else _placeholder(jnp.float32),
+        w.scale if w.scale is not None else stand_in,
+        w.zero if w.zero is not None else stand_in,
+        w.scale2 if w.scale2 is not None else stand_in,
+        bias if bias is not None else stand_in,
     ]
     attrs = dict(
         weight_type=int(w.wtype),
@@ -201,7 +200,7 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
 # =<n> moves the upper bound to n rows per expert (A/B timing); read when the call is traced, as by
 # the CUDA handler at each call.
 ENV_PREFILL_U4RS = "HUMMING_JAX_PREFILL_U4RS"
-U4RS_MAX_ROWS_PER_EXPERT = 128  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
+U4RS_MAX_ROWS_PER_EXPERT = 192  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
 
 
 def u4rs_max_rows_per_expert() -> int:

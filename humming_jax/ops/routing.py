@@ -36,6 +36,8 @@ def indexed_padded_rows(entries: int, num_local_experts: int, block_m: int) -> i
 def routing_indexed(
     topk_ids: jax.Array, expert_map: jax.Array, num_local_experts: int, block_m: int
 ) -> IndexedRouting:
+    """The indexed layout of ``topk_ids`` [M, k] through ``expert_map`` (global id -> local slot or
+    -1; an empty map is the identity over the local experts, every other id skipped)."""
     m, k = topk_ids.shape
     p = indexed_padded_rows(m * k, num_local_experts, block_m)
     i32 = jnp.int32
@@ -56,6 +58,7 @@ def routing_indexed(
 
 
 def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array, num_local_experts: int) -> GroupedRouting:
+    """The grouped layout of ``topk_ids`` [M, k] through ``expert_map`` (as routing_indexed)."""
     m, k = topk_ids.shape
     i32 = jnp.int32
     out = _ffi.call(

@@ -94,8 +94,9 @@ constexpr int64_t kWideRowsPerExpertMixed = 128;
 constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The range of rows per expert (on average) of the kinds on our 4-bit mainloop: up to below these.
-// uint4 (H200, NOTES v11e): the mainloop 13% ahead of the CUTLASS kinds at 128 rows per expert,
-// 12% behind at 256.
+// uint4 (H200, benchmarks/results/h200/2026-12-02-v11c-sweep-u4rs-bound.json): the mainloop 13%
+// ahead of the CUTLASS kinds at 128 rows per expert, 12% behind at 256; 192 lies between the two
+// measured points, the crossover itself is not measured yet.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
 constexpr int64_t kU4RsMaxRowsPerExpert = 192;
 

@@ -94,15 +94,22 @@ ROUTING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("m,k,e_global,e_local,block_m,pad", ROUTING_CASES)
-def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
-    ids, emap = random_routing(rng, m, k, e_global, e_local, pad)
+def assert_routing_matches_cpu(ids, emap, e_local, block_m):
+    """Both routing layouts of ids through emap, GPU against CPU, field by field; returns the CPU's
+    grouped layout."""
     ci, gi = both(lambda i, e: routing_ops.routing_indexed(i, e, e_local, block_m), ids, emap)
     for name, c, g in zip(routing_ops.IndexedRouting._fields, ci, gi):
         np.testing.assert_array_equal(g, c, err_msg=f"indexed {name}")
     cg, gg = both(lambda i, e: routing_ops.routing_grouped(i, e, e_local), ids, emap)
     for name, c, g in zip(routing_ops.GroupedRouting._fields, cg, gg):
         np.testing.assert_array_equal(g, c, err_msg=f"grouped {name}")
+    return cg
+
+
+@pytest.mark.parametrize("m,k,e_global,e_local,block_m,pad", ROUTING_CASES)
+def test_routing_matches_cpu(rng, m, k, e_global, e_local, block_m, pad):
+    ids, emap = random_routing(rng, m, k, e_global, e_local, pad)
+    assert_routing_matches_cpu(ids, emap, e_local, block_m)
 
 
 @pytest.mark.parametrize("m,k,e_local,block_m", [(1, 8, 128, 16), (11, 3, 8, 16), (300, 2, 8, 64), (5000, 6, 256, 32)])
@@ -110,13 +117,7 @@ def test_routing_with_empty_expert_map_matches_cpu(rng, m, k, e_local, block_m):
     """No expert map (an empty one: the identity over the local experts) on both routing kernels
     (single-warp at <= 32 entries, per-expert above), ids past e_local and out of range skipped."""
     ids, _ = random_routing(rng, m, k, e_local + 5, e_local, 0.1)
-    emap = jnp.zeros((0,), jnp.int32)
-    ci, gi = both(lambda i, e: routing_ops.routing_indexed(i, e, e_local, block_m), ids, emap)
-    for name, c, g in zip(routing_ops.IndexedRouting._fields, ci, gi):
-        np.testing.assert_array_equal(g, c, err_msg=f"indexed {name}")
-    cg, gg = both(lambda i, e: routing_ops.routing_grouped(i, e, e_local), ids, emap)
-    for name, c, g in zip(routing_ops.GroupedRouting._fields, cg, gg):
-        np.testing.assert_array_equal(g, c, err_msg=f"grouped {name}")
+    cg = assert_routing_matches_cpu(ids, jnp.zeros((0,), jnp.int32), e_local, block_m)
     src = np.asarray(cg[2]).reshape(-1)
     flat = np.asarray(ids).reshape(-1)
     assert ((src >= 0) == ((flat >= 0) & (flat < e_local))).all()

@@ -272,7 +272,8 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
 def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch):
     """uint4 calls of the mixed-input kinds with scale groups of whole 64-k tiles (or spanning K)
     and K % 64 == 0 run on the 4-bit mainloop below U4RS_MAX_ROWS_PER_EXPERT rows per expert: its
-    permuted activations and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0 gives them back, =<n> moves the bound."""
+    permuted activations and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0 gives them back,
+    =<n> moves the bound."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_U4RS, raising=False)
     e, n, k = 8, 384, 512

@@ -692,7 +692,12 @@ def test_decode_scale_types_groups_and_partial_chunks_match_cpu(rng, wtype, kdim
 @requires_decode
 def test_decode_mxfp4_extreme_scales_match_cpu_per_row(rng):
     """e8m0 scales at the edges of the packed e2m1 path: 2^-127 (s = 0, subnormal products), the
-    largest single factor (s = 128) and the two-factor case (s > 128), checked row by row."""
+    largest single factor (s = 128) and the two-factor case (s > 128), checked row by row.
+
+    Weights and products below float32's smallest normal (2^-126) may be flushed to zero on either
+    side (the CPU runtime's denormal mode, the tensor cores' accumulation), so each output may
+    differ by at most K * 2^-126 * max|x| beyond the rounding tolerance: loose for the s = 0 rows
+    (whose sums are themselves ~2^-123), negligible for every other scale."""
     e, n, kdim, m, k = 4, 64, 128, 2, 2
     w = _custom_weight(rng, WeightType.FP4_E2M1, e, n, kdim, 32, np.uint8,
                        scale_values=np.array([0, 1, 100, 127, 128, 129, 140, 160], np.uint8))
@@ -702,10 +707,12 @@ def test_decode_mxfp4_extreme_scales_match_cpu_per_row(rng):
     assert launched.count == 5
     want = _run_on(CPU, fn, ops)
     cb, wb = got["cb"].reshape(-1, n), want["cb"].reshape(-1, n)
+    flush = kdim * float(np.finfo(np.float32).tiny) * float(np.abs(_to_np(ops[2])).max())
     rows = np.abs(wb).max(axis=0) > 0
+    assert rows.sum() > n // 2, "most weight rows must give nonzero outputs"
     for col in np.nonzero(rows)[0]:  # each output column is one weight row with its own scales
-        np.testing.assert_allclose(cb[:, col], wb[:, col], rtol=2e-2, atol=2e-2 * np.abs(wb[:, col]).max(),
-                                   err_msg=f"column {col}")
+        np.testing.assert_allclose(cb[:, col], wb[:, col], rtol=2e-2,
+                                   atol=2e-2 * np.abs(wb[:, col]).max() + flush, err_msg=f"column {col}")
 
 
 @requires_decode

@@ -486,6 +486,7 @@ def errors_are_clear(n: int) -> None:
 def run_checks(n: int, names: list[str]) -> dict[str, str | None]:
     results: dict[str, str | None] = {}
     for name in names:
+        print(f"check {name}", file=sys.stderr, flush=True)  # names the check a crash happens in
         try:
             CHECKS[name](n)
             results[name] = None
@@ -500,7 +501,8 @@ def cpu_results() -> dict[str, str | None]:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker"],
+        # faulthandler: a crash in the worker prints the Python stack into stderr, reported below.
+        [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), "--worker"],
         env=env,
         capture_output=True,
         text=True,

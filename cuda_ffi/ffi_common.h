@@ -424,7 +424,9 @@ auto bind_gemm_batched_into() {
       HJ_GEMM_ATTRS;
 }
 
-// routing_indexed(topk_ids, expert_map) -> sorted_ids, block_expert_ids, num_tokens_post_padded, src_rows
+// routing_indexed(topk_ids, expert_map) -> sorted_ids, block_expert_ids, num_tokens_post_padded, src_rows.
+// identity_map = 1: no map; ids in [0, num_local_experts) are their own slots, every other id is
+// skipped, and the expert_map operand is a stand-in (the wrapper passes topk_ids) that is not read.
 template <typename PlatformCtx>
 auto bind_routing_indexed() {
   return bind_base<PlatformCtx>()
@@ -435,10 +437,12 @@ auto bind_routing_indexed() {
       .template Ret<AnyBuffer>()
       .template Ret<AnyBuffer>()
       .template Attr<int64_t>("num_local_experts")
-      .template Attr<int64_t>("block_m");
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("identity_map");
 }
 
 // routing_grouped(topk_ids, expert_map) -> permutation, expert_first_token_offset, src_rows
+// (identity_map as routing_indexed's).
 template <typename PlatformCtx>
 auto bind_routing_grouped() {
   return bind_base<PlatformCtx>()
@@ -447,7 +451,8 @@ auto bind_routing_grouped() {
       .template Ret<AnyBuffer>()
       .template Ret<AnyBuffer>()
       .template Ret<AnyBuffer>()
-      .template Attr<int64_t>("num_local_experts");
+      .template Attr<int64_t>("num_local_experts")
+      .template Attr<int64_t>("identity_map");
 }
 
 // permute_rows(x, permutation, expert_first_token_offset) -> y [M * top_k, cols]
@@ -512,15 +517,19 @@ struct RoutingShape {
 };
 
 inline Error check_routing_inputs(const std::string& call, const AnyBuffer& topk_ids,
-                                  const AnyBuffer& expert_map, int64_t num_local, RoutingShape* s) {
+                                  const AnyBuffer& expert_map, int64_t num_local, int64_t identity_map,
+                                  RoutingShape* s) {
   HJ_RETURN_IF_ERROR(expect_rank(call, "topk_ids", topk_ids, 2));
   HJ_RETURN_IF_ERROR(expect_s32(call, "topk_ids", topk_ids));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_map", expert_map, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_map", expert_map));
+  if (identity_map != 0 && identity_map != 1) return invalid(call, "identity_map must be 0 or 1");
+  if (!identity_map) {
+    HJ_RETURN_IF_ERROR(expect_rank(call, "expert_map", expert_map, 1));
+    HJ_RETURN_IF_ERROR(expect_s32(call, "expert_map", expert_map));
+  }
   if (num_local <= 0) return invalid(call, "num_local_experts must be positive");
   s->M = dim(topk_ids, 0);
   s->top_k = dim(topk_ids, 1);
-  s->num_global = dim(expert_map, 0);
+  s->num_global = identity_map ? 0 : dim(expert_map, 0);  // 0: local_expert's identity
   s->num_local = num_local;
   return Error::Success();
 }

@@ -357,10 +357,11 @@ Error launch_routing(const std::string& call, cudaStream_t stream, const Routing
 
 Error RoutingIndexedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expert_map,
                          Result<AnyBuffer> sorted_ids, Result<AnyBuffer> block_expert_ids, Result<AnyBuffer> ntpp,
-                         Result<AnyBuffer> src_rows, int64_t num_local_experts, int64_t block_m) {
+                         Result<AnyBuffer> src_rows, int64_t num_local_experts, int64_t block_m,
+                         int64_t identity_map) {
   const std::string call = "routing_indexed";
   RoutingShape s;
-  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
+  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, identity_map, &s));
   int64_t P = 0;
   HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
                                                    *block_expert_ids, *ntpp, *src_rows, &P));
@@ -377,10 +378,10 @@ Error RoutingIndexedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expe
 
 Error RoutingGroupedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expert_map,
                          Result<AnyBuffer> permutation, Result<AnyBuffer> offsets, Result<AnyBuffer> src_rows,
-                         int64_t num_local_experts) {
+                         int64_t num_local_experts, int64_t identity_map) {
   const std::string call = "routing_grouped";
   RoutingShape s;
-  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, &s));
+  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, identity_map, &s));
   HJ_RETURN_IF_ERROR(
       check_routing_grouped_outputs(call, s, topk_ids, expert_map, *permutation, *offsets, *src_rows));
   RoutingArgs a = routing_inputs(s, topk_ids, expert_map);

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _ffi
 from .activations import ACTIVATIONS, get_activation
@@ -99,15 +98,15 @@ def _check_topk(topk_weights: Any, topk_ids: Any, m: int) -> tuple[jax.Array, ja
     return jnp.asarray(topk_weights, jnp.float32), jnp.asarray(topk_ids)
 
 
-def _expert_map(expert_map: Any, global_num_experts: int | None, num_local: int) -> jax.Array:
+def _expert_map(expert_map: Any, global_num_experts: int | None, num_local: int) -> jax.Array | None:
     if expert_map is None:
         n = num_local if global_num_experts is None else int(global_num_experts)
         if n < num_local:
             raise ValueError(f"global_num_experts = {n} is below the {num_local} local experts")
-        # The routing calls read an empty map as the identity over the local experts (ids in
-        # [num_local, n) live elsewhere and are skipped, as are ids past n): the same routing as
-        # the explicit map, without a device kernel to build it for every call.
-        return jnp.asarray(np.zeros((0,), np.int32))
+        # No map: the routing calls' identity over the local experts (ids in [num_local, n) live
+        # elsewhere and are skipped, as are ids past n): the same routing as the explicit map,
+        # without a device kernel to build one for every call.
+        return None
     _check_array(expert_map, "expert_map", 1)
     if jnp.dtype(expert_map.dtype) != jnp.dtype(jnp.int32):
         raise TypeError(f"expert_map must be int32, got {_dtype_name(expert_map)}")
@@ -220,7 +219,7 @@ class _StandardExperts(FusedMoEExperts):
         x: jax.Array,
         weights: MoEWeights,
         ids: jax.Array,
-        emap: jax.Array,
+        emap: jax.Array | None,
         activation: str,
         limit: float | None,
     ) -> tuple[jax.Array, jax.Array]:

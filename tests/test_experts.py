@@ -89,6 +89,19 @@ def test_global_num_experts_without_map(rng, cls):
     _assert_close(got, reference(layer, expert_map=jnp.asarray(np.r_[np.arange(4), -np.ones(6)].astype(np.int32))))
 
 
+@pytest.mark.parametrize("cls", [IndexedExperts, GroupedExperts])
+def test_no_expert_map_builds_no_map_array(rng, cls):
+    """Without an expert_map the routing call gets no map buffer: the layer's program holds no iota
+    and no zero-sized array (a kernel per call, and a zero-sized constant that one XLA CPU compiler
+    crashed on inside shard_map)."""
+    layer = random_layer(rng, m=5, e=4, h=32, i=16, k=2)
+    out = nan_out(layer.x.shape, layer.x.dtype)
+    hlo = jax.jit(lambda *a: cls().apply(*a)).lower(out, layer.x, layer.weights, layer.topk_weights,
+                                                    layer.topk_ids).as_text()
+    assert "routing_" in hlo
+    assert "iota" not in hlo and "tensor<0x" not in hlo, hlo
+
+
 @pytest.mark.parametrize("cls", STANDARD)
 def test_biases_and_fp16(rng, cls):
     weights = random_weights(rng, 6, 48, 32, scheme="fp16", bias=True)

@@ -75,22 +75,24 @@ def test_routing_grouped_layout_and_permute(rng, m, k, e_global):
 
 @pytest.mark.parametrize("m,k,e_global,e_local", [(1, 2, 8, 8), (37, 4, 16, 6), (300, 8, 64, 64)])
 def test_empty_expert_map_is_the_identity_over_local_experts(rng, m, k, e_global, e_local):
-    """An empty expert_map routes as the explicit map [0, 1, .., e_local - 1, -1, ..]: ids past the
-    local experts, negative ids and ids far out of range are skipped, the others keep their slot."""
+    """No expert_map (None or empty) routes as the explicit map [0, 1, .., e_local - 1, -1, ..]: ids
+    past the local experts, negative ids and ids far out of range are skipped, the others keep
+    their slot."""
     ids = rng.integers(-3, e_global + 3, (m, k)).astype(np.int32)
     ids.flat[rng.integers(0, m * k)] = 2**31 - 1
     ids.flat[rng.integers(0, m * k)] = -(2**31)
     explicit = np.where(np.arange(e_global) < e_local, np.arange(e_global), -1).astype(np.int32)
     empty = np.zeros((0,), np.int32)
-    for block_m in (1, 16):
-        a = routing_ops.routing_indexed(jnp.asarray(ids), jnp.asarray(explicit), e_local, block_m)
-        b = routing_ops.routing_indexed(jnp.asarray(ids), jnp.asarray(empty), e_local, block_m)
-        for name, x, y in zip(routing_ops.IndexedRouting._fields, a, b):
+    for none in (jnp.asarray(empty), None):
+        for block_m in (1, 16):
+            a = routing_ops.routing_indexed(jnp.asarray(ids), jnp.asarray(explicit), e_local, block_m)
+            b = routing_ops.routing_indexed(jnp.asarray(ids), none, e_local, block_m)
+            for name, x, y in zip(routing_ops.IndexedRouting._fields, a, b):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
+        a = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(explicit), e_local)
+        b = routing_ops.routing_grouped(jnp.asarray(ids), none, e_local)
+        for name, x, y in zip(routing_ops.GroupedRouting._fields, a, b):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
-    a = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(explicit), e_local)
-    b = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(empty), e_local)
-    for name, x, y in zip(routing_ops.GroupedRouting._fields, a, b):
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
     kept = (np.asarray(b.src_rows).reshape(-1) >= 0).tolist()  # the explicit map's too, equal above
     assert kept == ((ids >= 0) & (ids < e_local)).reshape(-1).tolist()
 

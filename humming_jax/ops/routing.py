@@ -33,12 +33,22 @@ def indexed_padded_rows(entries: int, num_local_experts: int, block_m: int) -> i
     return -(-worst // block_m) * block_m
 
 
+def _map_operand(topk_ids: jax.Array, expert_map: jax.Array | None) -> tuple[jax.Array, int]:
+    """(the map operand, identity_map). No map (None or empty) is the identity: the handlers are
+    told so by the attribute and get ``topk_ids`` in the map's slot, which they do not read, so
+    that no constant or zero-sized buffer enters the program."""
+    if expert_map is None or expert_map.shape[0] == 0:
+        return topk_ids, 1
+    return expert_map, 0
+
+
 def routing_indexed(
-    topk_ids: jax.Array, expert_map: jax.Array, num_local_experts: int, block_m: int
+    topk_ids: jax.Array, expert_map: jax.Array | None, num_local_experts: int, block_m: int
 ) -> IndexedRouting:
     """The indexed layout of ``topk_ids`` [M, k] through ``expert_map`` (global id -> local slot or
-    -1; an empty map is the identity over the local experts, every other id skipped)."""
+    -1; None or an empty map is the identity over the local experts, every other id skipped)."""
     m, k = topk_ids.shape
+    map_operand, identity = _map_operand(topk_ids, expert_map)
     p = indexed_padded_rows(m * k, num_local_experts, block_m)
     i32 = jnp.int32
     out = _ffi.call(
@@ -50,16 +60,18 @@ def routing_indexed(
             jax.ShapeDtypeStruct((m, k), i32),
         ),
         topk_ids,
-        expert_map,
+        map_operand,
         num_local_experts=num_local_experts,
         block_m=block_m,
+        identity_map=identity,
     )
     return IndexedRouting(*out)
 
 
-def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array, num_local_experts: int) -> GroupedRouting:
+def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array | None, num_local_experts: int) -> GroupedRouting:
     """The grouped layout of ``topk_ids`` [M, k] through ``expert_map`` (as routing_indexed)."""
     m, k = topk_ids.shape
+    map_operand, identity = _map_operand(topk_ids, expert_map)
     i32 = jnp.int32
     out = _ffi.call(
         "routing_grouped",
@@ -69,8 +81,9 @@ def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array, num_local_expert
             jax.ShapeDtypeStruct((m, k), i32),
         ),
         topk_ids,
-        expert_map,
+        map_operand,
         num_local_experts=num_local_experts,
+        identity_map=identity,
     )
     return GroupedRouting(*out)
 

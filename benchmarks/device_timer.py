@@ -98,6 +98,21 @@ def kernel_table(events: Iterable[tuple[str, float, float]], calls: int) -> list
     return sorted(rows, key=lambda r: -r[2])
 
 
+def launch_sequence(events: Iterable[tuple[str, float, float]], calls: int) -> list[tuple[str, float]] | None:
+    """(kernel name, mean µs) of each launch position within a call, in launch order, so that two
+    launches of one kernel (a layer's GEMM1 and GEMM2) are told apart; None unless every call
+    launched the same sequence of kernels."""
+    ordered = sorted(events, key=lambda e: e[1])
+    if calls <= 0 or not ordered or len(ordered) % calls:
+        return None
+    per = len(ordered) // calls
+    seqs = [ordered[c * per:(c + 1) * per] for c in range(calls)]
+    names = [n for n, _, _ in seqs[0]]
+    if any([n for n, _, _ in seq] != names for seq in seqs[1:]):
+        return None
+    return [(names[p], sum(seq[p][2] - seq[p][1] for seq in seqs) / calls / 1e3) for p in range(per)]
+
+
 def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: float = 10.0,
                          trace_dir: str | None = None) -> dict | None:
     """Runs ``call()`` ``calls`` times under a profiler trace (warm it first: compilation and graph

@@ -14,7 +14,7 @@ import jax
 
 import jax_systems as js
 import moe_setup as ms
-from device_timer import busy_time_ns, kernel_table, trace_calls
+from device_timer import busy_time_ns, kernel_table, launch_sequence, trace_calls
 from sweep_env import make_step
 
 
@@ -45,11 +45,17 @@ def main() -> None:
           f"({sum(r[2] for r in table):.1f} µs in kernels); lines: {', '.join(lines)}")
     for name, n, us in table:
         print(f"  {us:9.1f} µs  {n:5.1f}x  {name[:110]}")
+    seq = launch_sequence(events, args.calls)
+    if seq is not None:
+        print("  in launch order:")
+        for p, (name, us) in enumerate(seq):
+            print(f"  {p:3d} {us:9.1f} µs  {name[:110]}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"shape": args.shape, "format": args.format, "M": args.tokens, "part": args.part,
                        "span_ms": span_ms, "lines": lines,
-                       "kernels": [{"name": n, "launches": c, "us": u} for n, c, u in table]}, fh, indent=1)
+                       "kernels": [{"name": n, "launches": c, "us": u} for n, c, u in table],
+                       "sequence": None if seq is None else [{"name": n, "us": u} for n, u in seq]}, fh, indent=1)
 
 
 if __name__ == "__main__":

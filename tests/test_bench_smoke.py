@@ -191,6 +191,28 @@ def test_kernel_table_sums_per_name_and_call():
         assert abs(us - want[name] / 3 / 1e3) < 1e-6 * max(1.0, us)
 
 
+def test_launch_sequence_tells_launches_of_one_kernel_apart():
+    from device_timer import launch_sequence
+
+    rng = np.random.default_rng()
+    seq = ["routing", "gemm", "act", "gemm", "finalize"]
+    dur = rng.uniform(1e3, 9e4, len(seq))  # ns per position, the two gemms different
+    events, t = [], 0.0
+    for c in range(4):
+        for name, d in zip(seq, dur):
+            jitter = float(rng.uniform(-50, 50))
+            events.append((name, t, t + d + jitter))
+            t += d + 2e3
+    rng.shuffle(events)  # the trace's order is not launch order
+    got = launch_sequence([tuple(e) for e in events], calls=4)
+    assert [n for n, _ in got] == seq
+    for (_, us), d in zip(got, dur):
+        assert abs(us - d / 1e3) < 0.05 + 1e-6 * us
+    assert launch_sequence(events[:-1], calls=4) is None  # a call with a launch missing
+    swapped = [("act" if n == "finalize" and s > t / 2 else n, s, e) for n, s, e in events]
+    assert launch_sequence(swapped, calls=4) is None  # calls with different sequences
+
+
 def test_device_timer_mode_refuses_a_backend_without_a_gpu_timeline():
     import jax_systems as js
 

@@ -258,6 +258,13 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
+  // The item a CTA of the next wave takes in the same N slice: resident CTAs / slices further on.
+  // Off by default until measured (benchmarks/NOTES.md, v11f).
+  D.ahead_items = 0;
+  if (L.mode != RowMode::kGrouped && env_flag("HUMMING_JAX_DECODE_L2_AHEAD", false)) {
+    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(out->smem) + kSmemReservedPerCta));
+    D.ahead_items = static_cast<int>(std::max<int64_t>(1, per_sm * sms / n_slices));
+  }
   return true;
 }
 

@@ -103,6 +103,10 @@ struct DecodeLaunch {
                             // with 16-bit activations, which then dequantize once per 32 rows)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
+  // > 0 (indexed and batched layouts, HUMMING_JAX_DECODE_L2_AHEAD=1): each CTA prefetches into L2
+  // the first pipeline stages of its N slice for item + ahead_items, the item a CTA of the next
+  // wave takes, so that CTA's fill reads L2 instead of DRAM. 0: off.
+  int ahead_items;
 };
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
@@ -805,6 +809,35 @@ struct Kern {
   }
 };
 
+// L2 prefetch of the weight bytes that the first kStages - 1 iterations of work item `item` read
+// in the CTA's N slice (each row's first (kStages - 1) * wk chunk columns). Only valid experts and
+// rows below N are addressed; the item's expert comes from the routing outputs (in L2: just
+// written) or, batched, from the item index.
+static __device__ __noinline__ void prefetch_item_l2(const DecodeLaunch& D, int item, int64_t n0) {
+  const GemmLaunch& L = D.g;
+  if (item >= D.items) return;
+  int expert = -1;
+  if (L.mode == RowMode::kIndexed) {
+    int64_t used = *L.ntpp;
+    used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
+    if (static_cast<int64_t>(item) * L.block_m >= used) return;
+    expert = L.block_expert_ids[item];
+  } else if (L.mode == RowMode::kBatched) {
+    expert = static_cast<int>(item / ((L.T + kItemRows - 1) / kItemRows));
+  }
+  if (expert < 0 || expert >= L.E) return;
+  const int64_t bytes = min(static_cast<int64_t>(D.w_row_bytes), static_cast<int64_t>(kStages - 1) * D.wk * kChunkRowBytes);
+  const int rows = static_cast<int>(min(static_cast<int64_t>(D.bn), static_cast<int64_t>(D.N) - n0));
+  const int lines = static_cast<int>((bytes + 127) / 128) + 1;  // a row need not start on a line
+  const uint8_t* base = static_cast<const uint8_t*>(L.p.w.data) + (static_cast<int64_t>(expert) * D.N + n0) * D.w_row_bytes;
+  for (int idx = threadIdx.x; idx < rows * lines; idx += kThreads) {
+    const int r = idx / lines, l = idx - r * lines;
+    const uint8_t* row = base + static_cast<int64_t>(r) * D.w_row_bytes;
+    const int64_t off = min(static_cast<int64_t>(l) * 128 - (reinterpret_cast<uintptr_t>(row) & 127), bytes - 1);
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + max(off, int64_t{0})));
+  }
+}
+
 // Rows [lo, hi) of c over the CTA's N slice become zeros.
 __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int64_t hi, int64_t n0) {
   if (hi <= lo) return;
@@ -950,6 +983,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       zhi = s_info[3];
     }
 
+    if (D.ahead_items > 0) prefetch_item_l2(D, item + D.ahead_items, n0);
     if (expert >= 0 && nvalid > 0) {
       if (tid < nvalid) s_abyte[tid] = static_cast<int64_t>(s_arow[tid]) * D.K * K_::kAsz;
       __syncthreads();

@@ -650,6 +650,27 @@ def test_decode_every_scheme_and_form_matches_cpu(rng, scheme, dtype, shape):
     _check_decode_forms(got, want, dtype, f"{scheme}/{jnp.dtype(dtype).name} M={m}", ops[5], 5)
 
 
+@requires_decode
+@pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4", "w8a8-fp8-block128", "bf16"])
+def test_decode_l2_lookahead_matches_cpu(rng, monkeypatch, scheme):
+    """HUMMING_JAX_DECODE_L2_AHEAD=1 (each CTA prefetches into L2 the first stages of the item a CTA
+    of the next wave takes): the same results, on a problem with more work items than resident
+    CTAs per N slice (16 slices of N = 4096, 32 experts: 40-ish indexed blocks, 32 batched items),
+    so that the prefetched items exist; the last items prefetch past the end, which must not
+    address memory."""
+    monkeypatch.setenv("HUMMING_JAX_DECODE_L2_AHEAD", "1")
+    dtype = SCHEMES[scheme].default_dtype
+    e, n, kdim, m, k = 32, 4096, 256, 128, 4
+    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+    quant = act_quant_params(SCHEMES[scheme].act_key)
+    fn, ops = _decode_forms(rng, w, None, dtype, quant, m, k, t=9)
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 5
+    want = _run_on(CPU, fn, ops)
+    _check_decode_forms(got, want, dtype, f"{scheme} L2 look-ahead", ops[5], 9)
+
+
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
     """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
     return random_packed_weight(rng, wtype, e, n, kdim, group_k, scale_dtype=scale_dtype, fp8_std=2.0, **kw)

@@ -37,7 +37,7 @@ def _map_operand(topk_ids: jax.Array, expert_map: jax.Array | None) -> tuple[jax
     """(the map operand, identity_map). No map (None or empty) is the identity: the handlers are
     told so by the attribute and get ``topk_ids`` in the map's slot, which they do not read, so
     that no constant or zero-sized buffer enters the program."""
-    if expert_map is None or expert_map.shape[0] == 0:
+    if expert_map is None or (jnp.ndim(expert_map) == 1 and jnp.shape(expert_map)[0] == 0):
         return topk_ids, 1
     return expert_map, 0
 

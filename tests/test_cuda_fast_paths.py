@@ -634,6 +634,17 @@ def _check_decode_forms(got, want, dtype, what, counts, t):
             assert np.all(got[name][e, cnt:] == 0.0), f"{what} {name}: rows past the count must be zeros"
 
 
+def _decode_forms_match_cpu(rng, w, bias, dtype, quant, m, k, t, what):
+    """The five decode-sized GEMM calls of one random problem run on the decode kernel on the GPU
+    and agree with the CPU (_check_decode_forms)."""
+    fn, ops = _decode_forms(rng, w, bias, dtype, quant, m, k, t)
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
+        got = _run_on(GPU, fn, ops)
+    assert launched.count == 5, f"{what}: expected the five GEMM calls on the decode kernel, got {launched.count}"
+    want = _run_on(CPU, fn, ops)
+    _check_decode_forms(got, want, dtype, what, ops[5], t)
+
+
 @requires_decode
 @pytest.mark.parametrize("scheme,dtype,shape", _DECODE_CASES,
                          ids=[f"{s}-{jnp.dtype(d).name}-M{sh[0]}E{sh[2]}N{sh[3]}" for s, d, sh in _DECODE_CASES])
@@ -642,12 +653,7 @@ def test_decode_every_scheme_and_form_matches_cpu(rng, scheme, dtype, shape):
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1) if m == 3 else None
     quant = act_quant_params(SCHEMES[scheme].act_key)
-    fn, ops = _decode_forms(rng, w, bias, dtype, quant, m, k)
-    with _LaunchCount(_DECODE_LAUNCHES) as launched:
-        got = _run_on(GPU, fn, ops)
-    assert launched.count == 5, f"expected the five GEMM calls on the decode kernel, got {launched.count}"
-    want = _run_on(CPU, fn, ops)
-    _check_decode_forms(got, want, dtype, f"{scheme}/{jnp.dtype(dtype).name} M={m}", ops[5], 5)
+    _decode_forms_match_cpu(rng, w, bias, dtype, quant, m, k, 5, f"{scheme}/{jnp.dtype(dtype).name} M={m}")
 
 
 @requires_decode
@@ -663,12 +669,7 @@ def test_decode_l2_lookahead_matches_cpu(rng, monkeypatch, scheme):
     e, n, kdim, m, k = 32, 4096, 256, 128, 4
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
     quant = act_quant_params(SCHEMES[scheme].act_key)
-    fn, ops = _decode_forms(rng, w, None, dtype, quant, m, k, t=9)
-    with _LaunchCount(_DECODE_LAUNCHES) as launched:
-        got = _run_on(GPU, fn, ops)
-    assert launched.count == 5
-    want = _run_on(CPU, fn, ops)
-    _check_decode_forms(got, want, dtype, f"{scheme} L2 look-ahead", ops[5], 9)
+    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} L2 look-ahead")
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
@@ -702,12 +703,7 @@ def test_decode_scale_types_groups_and_partial_chunks_match_cpu(rng, wtype, kdim
                                                                  scale2, dtype, quant):
     e, n, m, k = 6, 67, 3, 2
     w = _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, zero=zero, scale2=scale2)
-    fn, ops = _decode_forms(rng, w, None, dtype, quant, m, k, t=9)
-    with _LaunchCount(_DECODE_LAUNCHES) as launched:
-        got = _run_on(GPU, fn, ops)
-    assert launched.count == 5
-    want = _run_on(CPU, fn, ops)
-    _check_decode_forms(got, want, dtype, f"{wtype.name} K={kdim} g={group_k}", ops[5], 9)
+    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{wtype.name} K={kdim} g={group_k}")
 
 
 @requires_decode

@@ -260,6 +260,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
   // The item a CTA of the next wave takes in the same N slice: resident CTAs / slices further on.
   // Off by default until measured (benchmarks/NOTES.md, v11f).
+  D.early_routing = L.mode == RowMode::kIndexed && env_flag("HUMMING_JAX_DECODE_EARLY_ROUTING", false) ? 1 : 0;
   D.ahead_items = 0;
   if (L.mode != RowMode::kGrouped && env_flag("HUMMING_JAX_DECODE_L2_AHEAD", false)) {
     const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(out->smem) + kSmemReservedPerCta));

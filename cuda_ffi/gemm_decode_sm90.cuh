@@ -107,6 +107,9 @@ struct DecodeLaunch {
   // the first pipeline stages of its N slice for item + ahead_items, the item a CTA of the next
   // wave takes, so that CTA's fill reads L2 instead of DRAM. 0: off.
   int ahead_items;
+  // 1 (indexed layout, HUMMING_JAX_DECODE_EARLY_ROUTING=1): a work item's routing reads are issued
+  // together instead of each after the check of the one before. 0: off (until measured).
+  int early_routing;
 };
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
@@ -284,6 +287,36 @@ __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
   }
 }
 
+// L2 prefetch of the weight bytes that the first kStages - 1 iterations of work item `item` read
+// in the CTA's N slice (each row's first (kStages - 1) * wk chunk columns). Only valid experts and
+// rows below N are addressed; the item's expert comes from the routing outputs (in L2: just
+// written) or, batched, from the item index.
+static __device__ __noinline__ void prefetch_item_l2(const DecodeLaunch& D, int item, int64_t n0) {
+  const GemmLaunch& L = D.g;
+  if (item >= D.items) return;
+  int expert = -1;
+  if (L.mode == RowMode::kIndexed) {
+    const int e = L.block_expert_ids[item];  // in range for item < D.items; loaded beside the count
+    int64_t used = *L.ntpp;
+    used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
+    if (static_cast<int64_t>(item) * L.block_m >= used) return;
+    expert = e;
+  } else if (L.mode == RowMode::kBatched) {
+    expert = static_cast<int>(item / ((L.T + kItemRows - 1) / kItemRows));
+  }
+  if (expert < 0 || expert >= L.E) return;
+  const int64_t bytes = min(static_cast<int64_t>(D.w_row_bytes), static_cast<int64_t>(kStages - 1) * D.wk * kChunkRowBytes);
+  const int rows = static_cast<int>(min(static_cast<int64_t>(D.bn), static_cast<int64_t>(D.N) - n0));
+  const int lines = static_cast<int>((bytes + 127) / 128) + 1;  // a row need not start on a line
+  const uint8_t* base = static_cast<const uint8_t*>(L.p.w.data) + (static_cast<int64_t>(expert) * D.N + n0) * D.w_row_bytes;
+  for (int idx = threadIdx.x; idx < rows * lines; idx += kThreads) {
+    const int r = idx / lines, l = idx - r * lines;
+    const uint8_t* row = base + static_cast<int64_t>(r) * D.w_row_bytes;
+    const int64_t off = min(static_cast<int64_t>(l) * 128 - (reinterpret_cast<uintptr_t>(row) & 127), bytes - 1);
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + max(off, int64_t{0})));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The kernel. SF: the weight scales are float32 (every 8-bit weight scheme), known at compile time
 // so that the float32 and codes modes read and convert them without a switch on the type. ZP: uint4
@@ -331,6 +364,7 @@ struct Kern {
     int64_t stride8;        // bytes of 8 weight rows: row g + 8h of tile i is (2i + h) strides further
     unsigned row_ok;        // bit i * 2 + h: row g + 8h of tile i lies below N
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
+    int ahead_item;         // the item whose first stages run() prefetches into L2, or -1
   };
 
   // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
@@ -700,6 +734,8 @@ struct Kern {
       if (st == 0 && whole) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
+    // With the own fill in flight: the look-ahead's routing reads and prefetches wait on it.
+    if (item.ahead_item >= 0) prefetch_item_l2(D, item.ahead_item, n0);
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
@@ -809,35 +845,6 @@ struct Kern {
   }
 };
 
-// L2 prefetch of the weight bytes that the first kStages - 1 iterations of work item `item` read
-// in the CTA's N slice (each row's first (kStages - 1) * wk chunk columns). Only valid experts and
-// rows below N are addressed; the item's expert comes from the routing outputs (in L2: just
-// written) or, batched, from the item index.
-static __device__ __noinline__ void prefetch_item_l2(const DecodeLaunch& D, int item, int64_t n0) {
-  const GemmLaunch& L = D.g;
-  if (item >= D.items) return;
-  int expert = -1;
-  if (L.mode == RowMode::kIndexed) {
-    int64_t used = *L.ntpp;
-    used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
-    if (static_cast<int64_t>(item) * L.block_m >= used) return;
-    expert = L.block_expert_ids[item];
-  } else if (L.mode == RowMode::kBatched) {
-    expert = static_cast<int>(item / ((L.T + kItemRows - 1) / kItemRows));
-  }
-  if (expert < 0 || expert >= L.E) return;
-  const int64_t bytes = min(static_cast<int64_t>(D.w_row_bytes), static_cast<int64_t>(kStages - 1) * D.wk * kChunkRowBytes);
-  const int rows = static_cast<int>(min(static_cast<int64_t>(D.bn), static_cast<int64_t>(D.N) - n0));
-  const int lines = static_cast<int>((bytes + 127) / 128) + 1;  // a row need not start on a line
-  const uint8_t* base = static_cast<const uint8_t*>(L.p.w.data) + (static_cast<int64_t>(expert) * D.N + n0) * D.w_row_bytes;
-  for (int idx = threadIdx.x; idx < rows * lines; idx += kThreads) {
-    const int r = idx / lines, l = idx - r * lines;
-    const uint8_t* row = base + static_cast<int64_t>(r) * D.w_row_bytes;
-    const int64_t off = min(static_cast<int64_t>(l) * 128 - (reinterpret_cast<uintptr_t>(row) & 127), bytes - 1);
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + max(off, int64_t{0})));
-  }
-}
-
 // Rows [lo, hi) of c over the CTA's N slice become zeros.
 __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int64_t hi, int64_t n0) {
   if (hi <= lo) return;
@@ -869,16 +876,24 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
     int64_t zlo = 0, zhi = 0;
     if (L.mode == RowMode::kIndexed) {
+      // early_routing: the padded count, the block's expert and its ids as independent loads
+      // (every address is in range for item < D.items), one round trip instead of three.
+      int expert_early = -1;
+      int64_t id_early = -1;
+      if (D.early_routing && warp == 0) {
+        expert_early = L.block_expert_ids[item];
+        if (lane < L.block_m) id_early = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
+      }
       int64_t used = *L.ntpp;
       used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
       if (static_cast<int64_t>(item) * L.block_m >= used) break;  // blocks are used in order
       if (warp == 0) {
-        const int expert = L.block_expert_ids[item];
+        const int expert = D.early_routing ? expert_early : L.block_expert_ids[item];
         const bool eok = expert >= 0 && expert < L.E;  // never address weights with an invalid id
         bool valid = false;
         int64_t id = -1;
         if (eok && lane < L.block_m) {
-          id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
+          id = D.early_routing ? id_early : L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
           valid = id >= 0 && id < L.c_rows && id / L.gather_div < L.a_rows;
         }
         const unsigned mask = __ballot_sync(0xffffffffu, valid);
@@ -983,13 +998,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       zhi = s_info[3];
     }
 
-    if (D.ahead_items > 0) prefetch_item_l2(D, item + D.ahead_items, n0);
     if (expert >= 0 && nvalid > 0) {
       if (tid < nvalid) s_abyte[tid] = static_cast<int64_t>(s_arow[tid]) * D.K * K_::kAsz;
       __syncthreads();
       typename K_::Item it_;
       it_.expert = expert;
       it_.nvalid = nvalid;
+      it_.ahead_item = D.ahead_items > 0 ? item + D.ahead_items : -1;
       const WeightView& w = L.p.w;
       const int wn = warp % D.wn;
       const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);

@@ -657,19 +657,21 @@ def test_decode_every_scheme_and_form_matches_cpu(rng, scheme, dtype, shape):
 
 
 @requires_decode
+@pytest.mark.parametrize("flag", ["HUMMING_JAX_DECODE_L2_AHEAD", "HUMMING_JAX_DECODE_EARLY_ROUTING"])
 @pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4", "w8a8-fp8-block128", "bf16"])
-def test_decode_l2_lookahead_matches_cpu(rng, monkeypatch, scheme):
-    """HUMMING_JAX_DECODE_L2_AHEAD=1 (each CTA prefetches into L2 the first stages of the item a CTA
-    of the next wave takes): the same results, on a problem with more work items than resident
+def test_decode_start_up_options_match_cpu(rng, monkeypatch, scheme, flag):
+    """The decode kernel's start-up options give the same results: L2_AHEAD (each CTA prefetches
+    into L2 the first stages of the item a CTA of the next wave takes) and EARLY_ROUTING (an
+    indexed item's routing reads issued together). The problem has more work items than resident
     CTAs per N slice (16 slices of N = 4096, 32 experts: 40-ish indexed blocks, 32 batched items),
-    so that the prefetched items exist; the last items prefetch past the end, which must not
-    address memory."""
-    monkeypatch.setenv("HUMMING_JAX_DECODE_L2_AHEAD", "1")
+    so that the prefetched items exist; the last items look past the end, which must not address
+    memory."""
+    monkeypatch.setenv(flag, "1")
     dtype = SCHEMES[scheme].default_dtype
     e, n, kdim, m, k = 32, 4096, 256, 128, 4
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
     quant = act_quant_params(SCHEMES[scheme].act_key)
-    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} L2 look-ahead")
+    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} {flag}")
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):

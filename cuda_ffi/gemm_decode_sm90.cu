@@ -258,8 +258,8 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
-  // The item a CTA of the next wave takes in the same N slice: resident CTAs / slices further on.
-  // Off by default until measured (benchmarks/NOTES.md, v11f).
+  // The start-up options, off by default until measured (benchmarks/NOTES.md, v11g). The item a
+  // CTA of the next wave takes in the same N slice lies resident CTAs / slices further on.
   D.early_routing = L.mode == RowMode::kIndexed && env_flag("HUMMING_JAX_DECODE_EARLY_ROUTING", false) ? 1 : 0;
   D.ahead_items = 0;
   if (L.mode != RowMode::kGrouped && env_flag("HUMMING_JAX_DECODE_L2_AHEAD", false)) {

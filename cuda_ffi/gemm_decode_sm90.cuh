@@ -1004,7 +1004,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       typename K_::Item it_;
       it_.expert = expert;
       it_.nvalid = nvalid;
-      it_.ahead_item = D.ahead_items > 0 ? item + D.ahead_items : -1;
+      it_.ahead_item = D.ahead_items > 0 && item < D.items - D.ahead_items ? item + D.ahead_items : -1;
       const WeightView& w = L.p.w;
       const int wn = warp % D.wn;
       const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);

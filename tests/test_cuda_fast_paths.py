@@ -664,8 +664,7 @@ def test_decode_start_up_options_match_cpu(rng, monkeypatch, scheme, flag):
     into L2 the first stages of the item a CTA of the next wave takes) and EARLY_ROUTING (an
     indexed item's routing reads issued together). The problem has more work items than resident
     CTAs per N slice (16 slices of N = 4096, 32 experts: 40-ish indexed blocks, 32 batched items),
-    so that the prefetched items exist; the last items look past the end, which must not address
-    memory."""
+    so that the prefetched items exist, and the last items have none to look ahead to."""
     monkeypatch.setenv(flag, "1")
     dtype = SCHEMES[scheme].default_dtype
     e, n, kdim, m, k = 32, 4096, 256, 128, 4

@@ -193,18 +193,22 @@ OUR_CLASSES = {
 }
 
 
-def our_layer(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
-    """fused_moe (automatic selection or a named class), R sets chained through the donated out."""
-    gemm_type = OUR_CLASSES[system]
-    R = jp.R
+def layer_step(jp: JaxPoint, gemm_type: str | None = None) -> Callable[[jax.Array], jax.Array]:
+    """out -> out: fused_moe (automatic selection or a named class) on the R sets, chained through
+    the donated out (no out-sized buffer is made per call)."""
 
     def chain(out, w, xs, tws, ids):
-        for r in range(R):
+        for r in range(jp.R):
             out = hj.fused_moe(xs[r], w, tws[r], ids[r], activation="silu", out=out, gemm_type=gemm_type)
         return out
 
     step = jax.jit(chain, donate_argnums=0)
-    res = time_jax(lambda o: step(o, jp.weights, jp.xs, jp.tws, jp.ids), jp.out(), repeats=repeats, warmup=warmup, chain=R)
+    return lambda out: step(out, jp.weights, jp.xs, jp.tws, jp.ids)
+
+
+def our_layer(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
+    """fused_moe (automatic selection or a named class), R sets chained through the donated out."""
+    res = time_jax(layer_step(jp, OUR_CLASSES[system]), jp.out(), repeats=repeats, warmup=warmup, chain=jp.R)
     res["output"] = res.pop("carry")  # the layer on the last set
     return res
 

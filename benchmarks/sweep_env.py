@@ -60,17 +60,11 @@ def burst_s(step, calls: int) -> float:
 def make_step(jp: js.JaxPoint, part: str):
     """A fresh executable (its own recorded graphs) running the part once per input set."""
     if part == "layer":
-        # As bench_moe's layer: the sets chained through one donated out, so no out-sized
-        # zeros broadcast is timed with the layer.
-        def chain(out, w, xs, tws, ids):
-            for r in range(jp.R):
-                out = hj.fused_moe(xs[r], w, tws[r], ids[r], activation="silu", out=out)
-            return out
-        step = jax.jit(chain, donate_argnums=0)
-        state = {"out": jp.out()}
+        # bench_moe's layer: the sets chained through one donated out.
+        step, state = js.layer_step(jp), {"out": jp.out()}
 
         def run():
-            state["out"] = step(state["out"], jp.weights, jp.xs, jp.tws, jp.ids)
+            state["out"] = step(state["out"])
             return state["out"]
         return run
     cls = hj.select_experts(jp.weights.weight_key, jp.weights.act_key, "silu", rows_per_expert=jp.m * jp.k / jp.e)

@@ -82,16 +82,16 @@ def test_empty_expert_map_is_the_identity_over_local_experts(rng, m, k, e_global
     ids.flat[rng.integers(0, m * k)] = 2**31 - 1
     ids.flat[rng.integers(0, m * k)] = -(2**31)
     explicit = np.where(np.arange(e_global) < e_local, np.arange(e_global), -1).astype(np.int32)
-    empty = np.zeros((0,), np.int32)
-    for none in (jnp.asarray(empty), None):
-        for block_m in (1, 16):
-            a = routing_ops.routing_indexed(jnp.asarray(ids), jnp.asarray(explicit), e_local, block_m)
-            b = routing_ops.routing_indexed(jnp.asarray(ids), none, e_local, block_m)
+    ids_j, explicit_j = jnp.asarray(ids), jnp.asarray(explicit)
+    want_indexed = {bm: routing_ops.routing_indexed(ids_j, explicit_j, e_local, bm) for bm in (1, 16)}
+    want_grouped = routing_ops.routing_grouped(ids_j, explicit_j, e_local)
+    for none in (jnp.asarray(np.zeros((0,), np.int32)), None):
+        for block_m, a in want_indexed.items():
+            b = routing_ops.routing_indexed(ids_j, none, e_local, block_m)
             for name, x, y in zip(routing_ops.IndexedRouting._fields, a, b):
                 np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
-        a = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(explicit), e_local)
-        b = routing_ops.routing_grouped(jnp.asarray(ids), none, e_local)
-        for name, x, y in zip(routing_ops.GroupedRouting._fields, a, b):
+        b = routing_ops.routing_grouped(ids_j, none, e_local)
+        for name, x, y in zip(routing_ops.GroupedRouting._fields, want_grouped, b):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
     kept = (np.asarray(b.src_rows).reshape(-1) >= 0).tolist()  # the explicit map's too, equal above
     assert kept == ((ids >= 0) & (ids < e_local)).reshape(-1).tolist()

@@ -250,6 +250,10 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     }
   }
 
+  // HUMMING_JAX_DECODE_PRE_PERMUTE=0 keeps the per-MMA-step permutation of whole-mode activations
+  // in the 4-bit packed variants (A/B timing).
+  D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
+
   const int64_t n_slices = (N + D.bn - 1) / D.bn;
   if (n_slices > INT32_MAX) return decline(L, "N too large");
   out->ak = ak;
@@ -258,14 +262,6 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
-  // The start-up options, off by default until measured (benchmarks/NOTES.md, v11g). The item a
-  // CTA of the next wave takes in the same N slice lies resident CTAs / slices further on.
-  D.early_routing = L.mode == RowMode::kIndexed && env_flag("HUMMING_JAX_DECODE_EARLY_ROUTING", false) ? 1 : 0;
-  D.ahead_items = 0;
-  if (L.mode != RowMode::kGrouped && env_flag("HUMMING_JAX_DECODE_L2_AHEAD", false)) {
-    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(out->smem) + kSmemReservedPerCta));
-    D.ahead_items = static_cast<int>(std::max<int64_t>(1, per_sm * sms / n_slices));
-  }
   return true;
 }
 

@@ -37,6 +37,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
@@ -95,6 +96,7 @@ struct DecodeLaunch {
   int act_region_bytes;     // the activations' part of shared memory (>= kStages * act_stage_bytes)
   int whole_row_bytes;      // stride of one activation row held over all of K (whole mode)
   int whole_rows;           // items of at most this many rows hold their activations whole (0: never)
+  int pre_permute;          // 1: whole-mode items of 4-bit packed variants pre-permute them (kPrePermute)
   int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E * T/16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
@@ -103,13 +105,6 @@ struct DecodeLaunch {
                             // with 16-bit activations, which then dequantize once per 32 rows)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
-  // > 0 (indexed and batched layouts, HUMMING_JAX_DECODE_L2_AHEAD=1): each CTA prefetches into L2
-  // the first pipeline stages of its N slice for item + ahead_items, the item a CTA of the next
-  // wave takes, so that CTA's fill reads L2 instead of DRAM. 0: off.
-  int ahead_items;
-  // 1 (indexed layout, HUMMING_JAX_DECODE_EARLY_ROUTING=1): a work item's routing reads are issued
-  // together instead of each after the check of the one before. 0: off (until measured).
-  int early_routing;
 };
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
@@ -161,6 +156,10 @@ __device__ __forceinline__ void lds128(uint32_t (&r)[4], uint32_t a) {
 
 __device__ __forceinline__ void lds64(uint32_t (&r)[2], uint32_t a) {
   asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+
+__device__ __forceinline__ void sts128(uint32_t a, uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x0), "r"(x1), "r"(x2), "r"(x3) : "memory");
 }
 
 // (a & b) | c
@@ -287,36 +286,6 @@ __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
   }
 }
 
-// L2 prefetch of the weight bytes that the first kStages - 1 iterations of work item `item` read
-// in the CTA's N slice (each row's first (kStages - 1) * wk chunk columns). Only valid experts and
-// rows below N are addressed; the item's expert comes from the routing outputs (in L2: just
-// written) or, batched, from the item index.
-static __device__ __noinline__ void prefetch_item_l2(const DecodeLaunch& D, int item, int64_t n0) {
-  const GemmLaunch& L = D.g;
-  if (item >= D.items) return;
-  int expert = -1;
-  if (L.mode == RowMode::kIndexed) {
-    const int e = L.block_expert_ids[item];  // in range for item < D.items; loaded beside the count
-    int64_t used = *L.ntpp;
-    used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
-    if (static_cast<int64_t>(item) * L.block_m >= used) return;
-    expert = e;
-  } else if (L.mode == RowMode::kBatched) {
-    expert = static_cast<int>(item / ((L.T + kItemRows - 1) / kItemRows));
-  }
-  if (expert < 0 || expert >= L.E) return;
-  const int64_t bytes = min(static_cast<int64_t>(D.w_row_bytes), static_cast<int64_t>(kStages - 1) * D.wk * kChunkRowBytes);
-  const int rows = static_cast<int>(min(static_cast<int64_t>(D.bn), static_cast<int64_t>(D.N) - n0));
-  const int lines = static_cast<int>((bytes + 127) / 128) + 1;  // a row need not start on a line
-  const uint8_t* base = static_cast<const uint8_t*>(L.p.w.data) + (static_cast<int64_t>(expert) * D.N + n0) * D.w_row_bytes;
-  for (int idx = threadIdx.x; idx < rows * lines; idx += kThreads) {
-    const int r = idx / lines, l = idx - r * lines;
-    const uint8_t* row = base + static_cast<int64_t>(r) * D.w_row_bytes;
-    const int64_t off = min(static_cast<int64_t>(l) * 128 - (reinterpret_cast<uintptr_t>(row) & 127), bytes - 1);
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + max(off, int64_t{0})));
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The kernel. SF: the weight scales are float32 (every 8-bit weight scheme), known at compile time
 // so that the float32 and codes modes read and convert them without a switch on the type. ZP: uint4
@@ -332,6 +301,11 @@ struct Kern {
   static constexpr bool k4Bit = WT == WeightType::kUInt4 || WT == WeightType::kFp4E2M1;
   // Quantized weights with 16-bit activations take grouped items of up to kMaxRows rows.
   static constexpr bool kWideItems = !kQ8 && WT != WeightType::kFloat;
+  // 4-bit weights with 16-bit activations pair k with k + 4 in a register; in whole mode the CTA
+  // reorders its activation rows that way once per item (permute_whole_activations), instead of
+  // every warp doing it per MMA step (4 PRMT per token tile and weight word, on the ALU pipe that
+  // the conversion already saturates). Packed modes only: the float32-scale modes would spill.
+  static constexpr bool kPrePermute = k4Bit && !kQ8 && (DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4);
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
@@ -364,7 +338,6 @@ struct Kern {
     int64_t stride8;        // bytes of 8 weight rows: row g + 8h of tile i is (2i + h) strides further
     unsigned row_ok;        // bit i * 2 + h: row g + 8h of tile i lies below N
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
-    int ahead_item;         // the item whose first stages run() prefetches into L2, or -1
   };
 
   // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
@@ -418,6 +391,23 @@ struct Kern {
       const int64_t kb = static_cast<int64_t>(cu) * 16;
       const bool ok = kb < row_bytes;
       cp_async16(abase + r * D.whole_row_bytes + cu * 16, ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
+    }
+  }
+
+  // Whole mode, kPrePermute: each 16-byte unit (k0..k7) of the item's activation rows becomes
+  // (k0,k4) (k1,k5) (k2,k6) (k3,k7), the order of the weight pairs. Run by the whole CTA between
+  // two barriers, after the copies landed.
+  static __device__ __forceinline__ void permute_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
+                                                                   int tid) {
+    const int units_per_row = D.nc * kKw * kAsz / 16;
+    const uint32_t abase = smem_addr(smem + kStages * kWStageBytes);
+    for (int u = tid; u < nvalid * units_per_row; u += kThreads) {
+      const int r = u / units_per_row, cu = u - r * units_per_row;
+      const uint32_t addr = abase + r * D.whole_row_bytes + cu * 16;
+      uint32_t x[4];
+      lds128(x, addr);
+      sts128(addr, __byte_perm(x[0], x[2], 0x5410), __byte_perm(x[0], x[2], 0x7632), __byte_perm(x[1], x[3], 0x5410),
+             __byte_perm(x[1], x[3], 0x7632));
     }
   }
 
@@ -570,7 +560,8 @@ struct Kern {
   // ------------------------------------------------------------------------------------------
   // kTwo (packed e2m1 only): some lane of the warp has a scale above 2^1 this iteration, which
   // takes the second factor of fp4_factors.
-  template <int TOKT, bool kTwo = false>
+  // kPre (kPrePermute, whole mode): the activations are already in pair order.
+  template <int TOKT, bool kPre, bool kTwo = false>
   static __device__ __forceinline__ void chunk_mma(const DecodeLaunch& D, float (&acc)[kNT][TOKT][4],
                                                    const uint32_t (&w)[kNT][2][4], const uint8_t* arow0,
                                                    int arb, int g, int nvalid, const Scales<TOKT>& s, float s2) {
@@ -660,10 +651,15 @@ struct Kern {
           } else {
             uint32_t x[4];
             lds128(x, p + wd * 16);
-            b[j][0] = __byte_perm(x[0], x[2], 0x5410);
-            b[j][1] = __byte_perm(x[0], x[2], 0x7632);
-            b[j][2] = __byte_perm(x[1], x[3], 0x5410);
-            b[j][3] = __byte_perm(x[1], x[3], 0x7632);
+            if constexpr (kPre) {
+#pragma unroll
+              for (int q = 0; q < 4; ++q) b[j][q] = x[q];
+            } else {
+              b[j][0] = __byte_perm(x[0], x[2], 0x5410);
+              b[j][1] = __byte_perm(x[0], x[2], 0x7632);
+              b[j][2] = __byte_perm(x[1], x[3], 0x5410);
+              b[j][3] = __byte_perm(x[1], x[3], 0x7632);
+            }
           }
         }
         const int sl = (kNs == 2 && wd >= 2) ? 1 : 0;
@@ -703,7 +699,9 @@ struct Kern {
   // One work item over the CTA's N slice: the K pipeline, the fixed-order reduction over the wk
   // warp groups, bias and the rounded store of every valid row.
   // ------------------------------------------------------------------------------------------
-  template <int TOKT>
+  // kWhole (kPrePermute variants only, chosen by the caller): the item runs in whole mode with
+  // pre-permuted activations; otherwise whole mode is decided here, with the activations as copied.
+  template <int TOKT, bool kWhole>
   static __device__ void run(const DecodeLaunch& D, const Item& item, int64_t n0, uint8_t* smem,
                              const int32_t* s_arow, const int32_t* s_crow, const int64_t* s_abyte) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -726,7 +724,7 @@ struct Kern {
     // Whole mode (the item's activations fit over all of K): they join stage 0's copies, and
     // after stage 0 no CTA barrier is needed, as each lane reads back only the weight bytes it
     // copied itself. Otherwise each stage carries its K range of the activations for all warps.
-    const bool whole = item.nvalid <= D.whole_rows;
+    const bool whole = kWhole || item.nvalid <= D.whole_rows;
     const int arb = whole ? D.whole_row_bytes : D.act_row_bytes;
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
@@ -734,14 +732,18 @@ struct Kern {
       if (st == 0 && whole) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
-    // With the own fill in flight: the look-ahead's routing reads and prefetches wait on it.
-    if (item.ahead_item >= 0) prefetch_item_l2(D, item.ahead_item, n0);
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
       // Staged: stage `it` visible to all, stage it - 1 free for the next copies. Whole: once,
       // for the activations.
       if (!whole || it == 0) __syncthreads();
+      if constexpr (kPrePermute && kWhole) {
+        if (it == 0) {
+          permute_whole_activations(D, item.nvalid, smem, tid);
+          __syncthreads();
+        }
+      }
       if (it + kStages - 1 < D.iters) issue(D, item, it + kStages - 1, smem, s_abyte, wk, warp, lane, tid, whole);
       cp_async_commit();
       load_scales<TOKT>(D, item, it + 2, wk, lane, s_arow, s2n);
@@ -764,7 +766,7 @@ struct Kern {
             for (int j = 0; j < TOKT; ++j)
 #pragma unroll
               for (int r = 0; r < 4; ++r) part[i][j][r] = 0.0f;
-          chunk_mma<TOKT>(D, part, w, arow0, arb, g, item.nvalid, s0, s2);
+          chunk_mma<TOKT, false>(D, part, w, arow0, arb, g, item.nvalid, s0, s2);
           // One scale pair per chunk column (the host checked that scale groups cover whole
           // chunk columns): acc += part * a_scale * (w_scale * scale2), as the generic kernel.
 #pragma unroll
@@ -787,11 +789,11 @@ struct Kern {
 #pragma unroll
             for (int h = 0; h < 2; ++h) two |= s0.w[i][h][0] > 128u && s0.w[i][h][0] != 255u;
           if (__any_sync(0xffffffffu, two))
-            chunk_mma<TOKT, true>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
+            chunk_mma<TOKT, kWhole, true>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
           else
-            chunk_mma<TOKT, false>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
+            chunk_mma<TOKT, kWhole, false>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
         } else {
-          chunk_mma<TOKT>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
+          chunk_mma<TOKT, kWhole>(D, acc, w, arow0, arb, g, item.nvalid, s0, s2);
         }
       }
       s0 = s1;
@@ -876,24 +878,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
     int64_t zlo = 0, zhi = 0;
     if (L.mode == RowMode::kIndexed) {
-      // early_routing: the padded count, the block's expert and its ids as independent loads
-      // (every address is in range for item < D.items), one round trip instead of three.
-      int expert_early = -1;
-      int64_t id_early = -1;
-      if (D.early_routing && warp == 0) {
-        expert_early = L.block_expert_ids[item];
-        if (lane < L.block_m) id_early = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
-      }
       int64_t used = *L.ntpp;
       used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
       if (static_cast<int64_t>(item) * L.block_m >= used) break;  // blocks are used in order
       if (warp == 0) {
-        const int expert = D.early_routing ? expert_early : L.block_expert_ids[item];
+        const int expert = L.block_expert_ids[item];
         const bool eok = expert >= 0 && expert < L.E;  // never address weights with an invalid id
         bool valid = false;
         int64_t id = -1;
         if (eok && lane < L.block_m) {
-          id = D.early_routing ? id_early : L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
+          id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
           valid = id >= 0 && id < L.c_rows && id / L.gather_div < L.a_rows;
         }
         const unsigned mask = __ballot_sync(0xffffffffu, valid);
@@ -1004,7 +998,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       typename K_::Item it_;
       it_.expert = expert;
       it_.nvalid = nvalid;
-      it_.ahead_item = D.ahead_items > 0 && item < D.items - D.ahead_items ? item + D.ahead_items : -1;
       const WeightView& w = L.p.w;
       const int wn = warp % D.wn;
       const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
@@ -1027,12 +1020,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
           }
         }
       // Token columns in tiles of 8: 1, 2 or (32-row items only) 4 of them.
+      auto run_tiles = [&](auto tokt) {
+        constexpr int T = decltype(tokt)::value;
+        if (K_::kPrePermute && D.pre_permute && nvalid <= D.whole_rows)
+          K_::template run<T, true>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+        else
+          K_::template run<T, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+      };
       if (nvalid <= 8)
-        K_::template run<1>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+        run_tiles(std::integral_constant<int, 1>{});
       else if (nvalid <= 16)
-        K_::template run<2>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+        run_tiles(std::integral_constant<int, 2>{});
       else if constexpr (K_::kWideItems)
-        K_::template run<4>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+        run_tiles(std::integral_constant<int, 4>{});
     }
     zero_rows(D, zlo, zhi, n0);
     __syncthreads();  // shared memory is reused by the next item

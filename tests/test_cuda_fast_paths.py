@@ -657,20 +657,19 @@ def test_decode_every_scheme_and_form_matches_cpu(rng, scheme, dtype, shape):
 
 
 @requires_decode
-@pytest.mark.parametrize("flag", ["HUMMING_JAX_DECODE_L2_AHEAD", "HUMMING_JAX_DECODE_EARLY_ROUTING"])
+@pytest.mark.parametrize("pre_permute", ["1", "0"])
 @pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4", "w8a8-fp8-block128", "bf16"])
-def test_decode_start_up_options_match_cpu(rng, monkeypatch, scheme, flag):
-    """The decode kernel's start-up options give the same results: L2_AHEAD (each CTA prefetches
-    into L2 the first stages of the item a CTA of the next wave takes) and EARLY_ROUTING (an
-    indexed item's routing reads issued together). The problem has more work items than resident
-    CTAs per N slice (16 slices of N = 4096, 32 experts: 40-ish indexed blocks, 32 batched items),
-    so that the prefetched items exist, and the last items have none to look ahead to."""
-    monkeypatch.setenv(flag, "1")
+def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme, pre_permute):
+    """Each N slice's CTAs take several work items in turn: 16 slices of N = 4096 and 32 experts
+    give ~40 indexed blocks and 32 batched items per slice, more than the CTAs resident at once.
+    The items hold their activations whole; the 4-bit ones permute them once per item (the
+    default) or per MMA step (HUMMING_JAX_DECODE_PRE_PERMUTE=0)."""
+    monkeypatch.setenv("HUMMING_JAX_DECODE_PRE_PERMUTE", pre_permute)
     dtype = SCHEMES[scheme].default_dtype
     e, n, kdim, m, k = 32, 4096, 256, 128, 4
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
     quant = act_quant_params(SCHEMES[scheme].act_key)
-    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} {flag}")
+    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} many items")
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):

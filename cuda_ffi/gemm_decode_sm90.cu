@@ -101,6 +101,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     case RowMode::kIndexed: {
       if (L.block_m > kItemRows) return decline(L, "block_m > 16 (prefill-sized blocks)");
       if (L.a_rows >= INT32_MAX || L.c_rows >= INT32_MAX) return decline(L, "too many rows");
+      if (L.gather_div < 1 || L.gather_div > (int64_t{1} << 30)) return decline(L, "gather_div out of range");
       const int64_t blocks = L.padded_rows / L.block_m;
       // Used blocks are a prefix; an expert with n rows uses ceil(n / block_m) of them.
       const int64_t bound = std::min(blocks, L.c_rows / L.block_m + std::min(E, L.c_rows));
@@ -197,6 +198,9 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   // most CTAs resident at once (expected work items times N slices, capped by the SM slots its
   // shared memory leaves), the smallest wk among equals; never more K groups than chunk columns.
   D.nc = static_cast<int>((K + kw - 1) / kw);
+  D.div_upr = make_fastdiv(static_cast<uint32_t>(D.nc * kw * asz / 16));
+  D.div_gn = make_fastdiv(std::min<uint32_t>(std::max<uint32_t>(L.group_n, 1u), 1u << 30));  // n < 2^30
+  D.div_gather = make_fastdiv(L.mode == RowMode::kIndexed ? static_cast<uint32_t>(L.gather_div) : 1u);
   const int lane_bytes = epc * asz;  // activation bytes a lane reads per token and chunk column
   // Activation rows of `base` bytes padded so that the lanes of a quarter warp read distinct banks
   // (the staged rows of one stage and the whole-K rows alike).

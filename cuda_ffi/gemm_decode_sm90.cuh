@@ -105,6 +105,10 @@ struct DecodeLaunch {
                             // with 16-bit activations, which then dequantize once per 32 rows)
   int K, N;
   FastDiv div_gk, div_agk;  // k -> weight / activation scale column
+  // Run-time divisors of the per-item set-up (a generic integer division is a ~20-instruction
+  // sequence, a 64-bit one a subroutine): 16-byte activation units per whole row, the scale
+  // grid's group_n, the indexed layout's gather_div (id -> activation row).
+  FastDiv div_upr, div_gn, div_gather;
 };
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
@@ -387,7 +391,7 @@ struct Kern {
     const uint8_t* a = static_cast<const uint8_t*>(D.g.p.a.data);
     const int64_t row_bytes = static_cast<int64_t>(D.K) * kAsz;
     for (int u = tid; u < nvalid * units_per_row; u += kThreads) {
-      const int r = u / units_per_row, cu = u - r * units_per_row;
+      const int r = static_cast<int>(D.div_upr.div(static_cast<uint32_t>(u))), cu = u - r * units_per_row;
       const int64_t kb = static_cast<int64_t>(cu) * 16;
       const bool ok = kb < row_bytes;
       cp_async16(abase + r * D.whole_row_bytes + cu * 16, ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
@@ -402,7 +406,7 @@ struct Kern {
     const int units_per_row = D.nc * kKw * kAsz / 16;
     const uint32_t abase = smem_addr(smem + kStages * kWStageBytes);
     for (int u = tid; u < nvalid * units_per_row; u += kThreads) {
-      const int r = u / units_per_row, cu = u - r * units_per_row;
+      const int r = static_cast<int>(D.div_upr.div(static_cast<uint32_t>(u))), cu = u - r * units_per_row;
       const uint32_t addr = abase + r * D.whole_row_bytes + cu * 16;
       uint32_t x[4];
       lds128(x, addr);
@@ -705,7 +709,7 @@ struct Kern {
   static __device__ void run(const DecodeLaunch& D, const Item& item, int64_t n0, uint8_t* smem,
                              const int32_t* s_arow, const int32_t* s_crow, const int64_t* s_abyte) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wn = warp % D.wn, wk = warp / D.wn;
+    const int wn = warp & (D.wn - 1), wk = warp >> (__ffs(D.wn) - 1);  // wn: a power of two
     const int g = lane >> 2, t = lane & 3;
     const float s2 = D.g.p.w.scale2 ? D.g.p.w.scale2[item.expert] : 1.0f;
 
@@ -888,12 +892,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         int64_t id = -1;
         if (eok && lane < L.block_m) {
           id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
-          valid = id >= 0 && id < L.c_rows && id / L.gather_div < L.a_rows;
+          // ids below c_rows < 2^31 (host-checked) divide in 32 bits
+          valid = id >= 0 && id < L.c_rows && D.div_gather.div(static_cast<uint32_t>(id)) < L.a_rows;
         }
         const unsigned mask = __ballot_sync(0xffffffffu, valid);
         const int slot = __popc(mask & ((1u << lane) - 1u));
         if (valid && slot < D.max_rows) {  // ids are distinct: a block holds at most max_rows
-          s_arow[slot] = static_cast<int32_t>(id / L.gather_div);
+          s_arow[slot] = static_cast<int32_t>(D.div_gather.div(static_cast<uint32_t>(id)));
           s_crow[slot] = static_cast<int32_t>(id);
         }
         if (lane == 0) {
@@ -964,9 +969,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       }
     } else {
       if (warp == 0) {
-        const int64_t per = (L.T + kItemRows - 1) / kItemRows;
-        const int expert = static_cast<int>(item / per);
-        const int64_t t0 = (item - expert * per) * kItemRows;
+        const int expert = item;  // T <= kItemRows (host-checked): one item per expert
+        const int64_t t0 = 0;
         int64_t cnt = L.counts[expert];
         cnt = cnt < 0 ? 0 : (cnt > L.T ? L.T : cnt);
         const int64_t t_end = min(L.T, t0 + kItemRows);
@@ -999,7 +1003,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       it_.expert = expert;
       it_.nvalid = nvalid;
       const WeightView& w = L.p.w;
-      const int wn = warp % D.wn;
+      const int wn = warp & (D.wn - 1);
       const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
       it_.wlane = static_cast<const uint8_t*>(w.data) +
                   (static_cast<int64_t>(expert) * D.N + n_lane) * D.w_row_bytes + (lane & 3) * 16;
@@ -1015,7 +1019,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
           it_.srow[i][h] = 0u;
           if constexpr (WT != WeightType::kFloat) {
             if (ok)
-              it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + static_cast<uint32_t>(n) / L.group_n) *
+              it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(static_cast<uint32_t>(n))) *
                                L.scale_cols;
           }
         }

@@ -265,15 +265,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   out->f32_scales = (dq == Deq::kF32 || dq == Deq::kCodes) && w.scale_type == ElemType::kF32;
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
-  // Persistent CTAs (HUMMING_JAX_DECODE_PERSISTENT=0: one CTA per item, for A/B timing): no more
-  // CTAs per N slice than fit on the GPU at once, each taking every gridDim.y-th item, so that a
-  // multi-wave launch does not start a CTA (its set-up, a cold instruction cache) per item.
-  int64_t grid_y = std::min<int64_t>(grid_items, 65535);
-  if (env_flag("HUMMING_JAX_DECODE_PERSISTENT", true)) {
-    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(out->smem) + kSmemReservedPerCta));
-    grid_y = std::min<int64_t>(grid_y, std::max<int64_t>(1, per_sm * sms / n_slices));
-  }
-  out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(grid_y));
+  out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
   return true;
 }
 

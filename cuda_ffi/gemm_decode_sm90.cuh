@@ -97,7 +97,7 @@ struct DecodeLaunch {
   int whole_row_bytes;      // stride of one activation row held over all of K (whole mode)
   int whole_rows;           // items of at most this many rows hold their activations whole (0: never)
   int pre_permute;          // 1: whole-mode items of 4-bit packed variants pre-permute them (kPrePermute)
-  int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E * T/16)
+  int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E, as T <= 16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
   int w_row_bytes;          // bytes of one weight row

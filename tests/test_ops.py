@@ -85,12 +85,12 @@ def test_empty_expert_map_is_the_identity_over_local_experts(rng, m, k, e_global
     ids_j, explicit_j = jnp.asarray(ids), jnp.asarray(explicit)
     want_indexed = {bm: routing_ops.routing_indexed(ids_j, explicit_j, e_local, bm) for bm in (1, 16)}
     want_grouped = routing_ops.routing_grouped(ids_j, explicit_j, e_local)
-    for none in (jnp.asarray(np.zeros((0,), np.int32)), None):
+    for no_map in (jnp.asarray(np.zeros((0,), np.int32)), None):
         for block_m, a in want_indexed.items():
-            b = routing_ops.routing_indexed(ids_j, none, e_local, block_m)
+            b = routing_ops.routing_indexed(ids_j, no_map, e_local, block_m)
             for name, x, y in zip(routing_ops.IndexedRouting._fields, a, b):
                 np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
-        b = routing_ops.routing_grouped(ids_j, none, e_local)
+        b = routing_ops.routing_grouped(ids_j, no_map, e_local)
         for name, x, y in zip(routing_ops.GroupedRouting._fields, want_grouped, b):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x), err_msg=name)
     kept = (np.asarray(b.src_rows).reshape(-1) >= 0).tolist()  # the explicit map's too, equal above

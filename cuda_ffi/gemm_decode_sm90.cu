@@ -153,6 +153,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
 
   // 16-byte copies: aligned bases and rows.
   if (!aligned_to(w.data, 16) || row_bytes % 16) return decline(L, "weight rows not 16-byte aligned");
+  if (row_bytes >= (int64_t{1} << 26)) return decline(L, "weight rows of 64 MB or more");  // 32-bit row offsets
   if (!aligned_to(p.a.data, 16) || (K * asz) % 16) return decline(L, "activation rows not 16-byte aligned");
   D.w_row_bytes = static_cast<int>(row_bytes);
 

@@ -310,6 +310,9 @@ struct Kern {
   // every warp doing it per MMA step (4 PRMT per token tile and weight word, on the ALU pipe that
   // the conversion already saturates). Packed modes only: the float32-scale modes would spill.
   static constexpr bool kPrePermute = k4Bit && !kQ8 && (DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4);
+  // Weight copies from per-item row offsets (Item::roff): fewer instructions per iteration, four
+  // more registers, which only the packed variants have to spare (the others would spill).
+  static constexpr bool kRowOffsets = DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4;
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
@@ -338,9 +341,15 @@ struct Kern {
 
   struct Item {
     int expert, nvalid;
-    const uint8_t* wlane;   // the lane's 16 bytes of chunk column 0 in its first row (g of tile 0)
-    int64_t stride8;        // bytes of 8 weight rows: row g + 8h of tile i is (2i + h) strides further
-    unsigned row_ok;        // bit i * 2 + h: row g + 8h of tile i lies below N
+    // The lane's 16 bytes of chunk column 0 in its first row (g of tile 0), or (kRowOffsets) in
+    // row N - 1 when that row lies past N.
+    const uint8_t* wlane;
+    // kRowOffsets: the byte offset from wlane of row g + 8h of tile i (roff[2i + h]); rows past N
+    // copy row N - 1 (real bytes, whose sums are never stored) instead of a predicate per row and
+    // iteration. Otherwise: rows stride8 apart, zero-filled past N (row_ok bit 2i + h).
+    uint32_t roff[kNT * 2];
+    int64_t stride8;
+    unsigned row_ok;
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
   };
 
@@ -352,14 +361,23 @@ struct Kern {
     const int c = it * D.wk + wk;
     const int t = lane & 3;
     if (c < D.nc) {
+      // The lane's part of a last, partial chunk column may lie past K: zero-filled.
       const bool kok = c * kKw + t * kEpc < D.K;
-      const uint8_t* src = it_.wlane + static_cast<uint32_t>(c) * kChunkRowBytes;
-      uint32_t dst = smem_addr(smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16);
+      const uint32_t dst = smem_addr(smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16);
+      if constexpr (kRowOffsets) {
+        // the source stays inside the row (column 0) where the column is zero-filled
+        const uint8_t* src = it_.wlane + (kok ? static_cast<uint32_t>(c) * kChunkRowBytes : 0u);
+        const int bytes = kok ? 16 : 0;
 #pragma unroll
-      for (int q = 0; q < kNT * 2; ++q) {
-        const bool ok = kok && ((it_.row_ok >> q) & 1u);
-        cp_async_weights(dst + q * 512, ok ? src : it_.wlane, ok ? 16 : 0);
-        src += it_.stride8;
+        for (int q = 0; q < kNT * 2; ++q) cp_async_weights(dst + q * 512, src + it_.roff[q], bytes);
+      } else {
+        const uint8_t* src = it_.wlane + static_cast<uint32_t>(c) * kChunkRowBytes;
+#pragma unroll
+        for (int q = 0; q < kNT * 2; ++q) {
+          const bool ok = kok && ((it_.row_ok >> q) & 1u);
+          cp_async_weights(dst + q * 512, ok ? src : it_.wlane, ok ? 16 : 0);
+          src += it_.stride8;
+        }
       }
     }
     // Activations of the item's rows for the stage's K range, shared by the CTA's warps. Row r's
@@ -1005,8 +1023,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       const WeightView& w = L.p.w;
       const int wn = warp & (D.wn - 1);
       const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
+      const int64_t n_first = K_::kRowOffsets ? min(n_lane, static_cast<int64_t>(D.N) - 1) : n_lane;
       it_.wlane = static_cast<const uint8_t*>(w.data) +
-                  (static_cast<int64_t>(expert) * D.N + n_lane) * D.w_row_bytes + (lane & 3) * 16;
+                  (static_cast<int64_t>(expert) * D.N + n_first) * D.w_row_bytes + (lane & 3) * 16;
       it_.stride8 = static_cast<int64_t>(8) * D.w_row_bytes;
       it_.row_ok = 0u;
 #pragma unroll
@@ -1015,7 +1034,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         for (int h = 0; h < 2; ++h) {
           const int64_t n = n_lane + i * 16 + 8 * h;
           const bool ok = n < D.N;
-          it_.row_ok |= ok ? 1u << (i * 2 + h) : 0u;
+          if constexpr (K_::kRowOffsets)  // < 24 rows apart; the host keeps 24 rows below 2^31 bytes
+            it_.roff[i * 2 + h] =
+                static_cast<uint32_t>((min(n, static_cast<int64_t>(D.N) - 1) - n_first) * D.w_row_bytes);
+          else
+            it_.row_ok |= ok ? 1u << (i * 2 + h) : 0u;
           it_.srow[i][h] = 0u;
           if constexpr (WT != WeightType::kFloat) {
             if (ok)

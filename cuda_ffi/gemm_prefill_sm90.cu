@@ -37,6 +37,17 @@ bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", tru
 // dequantizing path (read at each call; humming_jax/ops/gemm.py reads it when tracing).
 bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); }
 
+// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0: the prefill kinds take calls from n rows per expert instead of
+// kMinRowsPerExpert (read at each call, for A/B measurements against the decode kernel; humming_jax/
+// ops/gemm.py reads it when tracing to size the workspace for the path taken).
+int64_t min_rows_per_expert() {
+  const char* v = std::getenv("HUMMING_JAX_PREFILL_MIN_ROWS");
+  if (v == nullptr || *v == '\0') return kMinRowsPerExpert;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return (end != v && *end == '\0' && n > 0) ? n : kMinRowsPerExpert;
+}
+
 // HUMMING_JAX_PREFILL_U4RS: unset, kU4RsMaxRowsPerExpert; 0, the uint4 calls of our 4-bit mainloop
 // stay on the CUTLASS mixed-input kinds; n > 0, the mainloop's upper bound (rows per expert).
 int64_t u4rs_max_rows_per_expert() {
@@ -135,7 +146,7 @@ bool mixed_input_fits(const GemmProblem& p, int64_t R) {
   return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kBF16 && w.scale != nullptr && w.group_n == 1 &&
          (w.group_k % kMixedTileK == 0 || w.group_k >= p.K) && p.a.type == ElemType::kBF16 &&
-         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= kMinRowsPerExpert * w.E &&
+         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= min_rows_per_expert() * w.E &&
          w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
 }
 
@@ -147,7 +158,7 @@ bool fp4_fits(const GemmProblem& p, int64_t R) {
   return w.type == WeightType::kFp4E2M1 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kE8M0 && w.scale != nullptr && w.group_n == 1 && w.group_k == 32 &&
          p.a.type == ElemType::kBF16 && !p.a.quantized() && p.c_type == ElemType::kBF16 && p.K % 64 == 0 &&
-         p.N % 8 == 0 && R >= kMinRowsPerExpert * w.E && R < kFp4MaxRowsPerExpert * w.E &&
+         p.N % 8 == 0 && R >= min_rows_per_expert() * w.E && R < kFp4MaxRowsPerExpert * w.E &&
          (R + 63) / 64 + w.E + 1 <= 65535;
 }
 
@@ -166,7 +177,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
       K > INT32_MAX)
     return Kind::kNone;
   // Expected rows per expert, from shapes only (the routing itself stays on the device).
-  if (R < kMinRowsPerExpert * E) return Kind::kNone;
+  if (R < min_rows_per_expert() * E) return Kind::kNone;
   // TMA: 16-byte aligned rows and base addresses for A, B and D (and 16-byte bias vectors).
   if (N % 8 || K % 8) return Kind::kNone;
   if (!aligned_to(p.a.data, 16) || !aligned_to(w.data, 16) || !aligned_to(p.c, 16)) return Kind::kNone;

@@ -81,6 +81,8 @@ constexpr int64_t kMaxExperts = 8192;
 // HUMMING_JAX_PREFILL_MIXED=0 sends the calls the mixed-input kinds take back to the decode kernel
 // or the dequantizing path (read at each call here, and when the call is traced by humming_jax/ops/gemm.py, which then
 // requests the dequantization buffer instead of the transposed scales).
+// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0 replaces kMinRowsPerExpert at run time (A/B timing of the
+// prefill kinds at decode sizes against the decode kernel).
 constexpr int64_t kMinRowsPerExpert = 32;
 constexpr int64_t kWideRowsPerExpert16 = 64;
 constexpr int64_t kWideRowsPerExpertFp8 = 128;

@@ -389,6 +389,36 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
     _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
 
 
+# Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of
+# 16 tokens mostly empty. scheme, M, top-k, E, N, K, routing
+PREFILL_AT_DECODE_SIZES = [
+    ("w4a16-int4-g128", 16, 4, 8, 256, 512, "uniform"),  # 8 rows per expert
+    ("w4a16-int4-g128", 1, 4, 16, 264, 256, "uniform"),  # 4 experts of one row, 12 empty
+    ("w4a16-mxfp4", 3, 2, 8, 256, 512, "tail"),  # rows past off[E]
+    ("w4a16-mxfp4", 16, 8, 64, 384, 256, "zero_rows"),
+    ("bf16", 5, 2, 8, 256, 512, "uniform"),
+]
+
+
+@requires_prefill
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind", PREFILL_AT_DECODE_SIZES)
+def test_prefill_kinds_at_decode_sizes_match_cpu(rng, monkeypatch, scheme, m, k, e, n, kdim, kind):
+    """The prefill kinds taking calls of 1-8 rows per expert (the run-time threshold at 1): one
+    prefill launch, equal to the CPU, rows past off[E] zero."""
+    for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    weight = _mixed_weight(rng, e, n, kdim, 128) if scheme.startswith("w4a16-int4") else None
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, dtype=jnp.bfloat16, weight=weight)
+    what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim}"
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, "the prefill kernel did not run"
+    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
+    last = int(np.asarray(p["off"])[-1])
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+
+
 @requires_prefill
 @pytest.mark.parametrize("m", [256, 1024])  # 64 and 256 rows per expert
 def test_prefill_mxfp4_extreme_scales_match_cpu_per_column(rng, monkeypatch, m):

@@ -304,3 +304,33 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "many")
     with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_U4RS"):
         gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False)
+
+
+def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_MIN_ROWS=<n> lets the prefill kinds (and so their workspace) take calls
+    from n rows per expert instead of MIN_ROWS_PER_EXPERT; auto selection keeps its threshold."""
+    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT
+
+    for var in (gemm_ops.ENV_PREFILL_MIN_ROWS, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
+                gemm_ops.ENV_PREFILL_MIXED):
+        monkeypatch.delenv(var, raising=False)
+    e, n, k = 8, 384, 512
+    int4, fp4 = _int4(rng, e, n, k), _mxfp4(rng, e, n, k)
+    rows = 8 * e
+    assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.MIN_ROWS_PER_EXPERT
+    for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
+        assert not take(rows, w, jnp.bfloat16, False)
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 0
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    assert gemm_ops.prefill_min_rows_per_expert() == 1
+    for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
+        assert take(rows, w, jnp.bfloat16, False) and not take(e - 1, w, jnp.bfloat16, False)
+        tiles = -(-rows // 64) + e + 1
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+    assert GROUPED_MIN_ROWS_PER_EXPERT == gemm_ops.MIN_ROWS_PER_EXPERT
+    for bad in ("0", "-3"):  # not a count: the built-in threshold
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)
+        assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.MIN_ROWS_PER_EXPERT
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "few")
+    with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_MIN_ROWS"):
+        gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)

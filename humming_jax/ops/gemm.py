@@ -95,6 +95,9 @@ ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
 DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
+# $HUMMING_JAX_PREFILL_MIN_ROWS=<n> (n > 0) moves it to n on both sides, read when the call is traced
+# (A/B timing of the prefill kinds at decode sizes; auto selection keeps GROUPED_MIN_ROWS_PER_EXPERT).
+ENV_PREFILL_MIN_ROWS = "HUMMING_JAX_PREFILL_MIN_ROWS"
 # Quantized weights are dequantized for the prefill kernel only from this many rows per expert: 8-bit
 # codes from DEQUANT_MIN_ROWS_PER_EXPERT, 4-bit ones from DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
 # (cuda_ffi/gemm_decode_sm90.cu, kMaxRowsPerExpertQuantGrouped / kMaxRowsPerExpertQuant4Grouped):
@@ -114,6 +117,12 @@ def _env_int(name: str, what: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} = {raw!r} is not {what}") from None
+
+
+def prefill_min_rows_per_expert() -> int:
+    """Rows per expert (on average) from which the prefill kinds take ``gemm_grouped`` calls."""
+    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
+    return override if override is not None and override > 0 else MIN_ROWS_PER_EXPERT
 
 
 def dequant_min_rows_per_expert(w: PackedWeight) -> int:
@@ -149,7 +158,7 @@ def _mixed_input_fits(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
             and jnp.dtype(w.scale.dtype) == jnp.bfloat16 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and w.group_n == 1
             and (w.group_k % MIXED_TILE_K == 0 or w.group_k >= k) and k % 32 == 0 and n % 8 == 0
-            and 0 < e <= _MAX_EXPERTS and MIN_ROWS_PER_EXPERT * e <= rows
+            and 0 < e <= _MAX_EXPERTS and prefill_min_rows_per_expert() * e <= rows
             and e * n * ((-(-k // w.group_k) + 7) // 8) < 2**31)
 
 
@@ -189,7 +198,7 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
             and w.group_n == 1 and w.group_k == 32 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and n % 8 == 0 and e > 0
-            and MIN_ROWS_PER_EXPERT * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
+            and prefill_min_rows_per_expert() * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
             and -(-rows // 64) + e + 1 <= 65535)
 
 

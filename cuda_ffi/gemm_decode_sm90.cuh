@@ -311,8 +311,9 @@ struct Kern {
   // the conversion already saturates). Packed modes only: the float32-scale modes would spill.
   static constexpr bool kPrePermute = k4Bit && !kQ8 && (DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4);
   // Weight copies from per-item row offsets (Item::roff): fewer instructions per iteration, four
-  // more registers, which only the packed variants have to spare (the others would spill).
-  static constexpr bool kRowOffsets = DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4;
+  // more registers. Packed e2m1 only: 1-2.5% faster there at 1-16 tokens, while packed uint4 was
+  // -1% to +1.2% (benchmarks/NOTES.md, v11j) and the other variants would spill.
+  static constexpr bool kRowOffsets = DQ == Deq::kPackedFp4;
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes

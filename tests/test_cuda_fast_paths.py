@@ -393,8 +393,8 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
 # 16 tokens mostly empty. scheme, M, top-k, E, N, K, routing
 PREFILL_AT_DECODE_SIZES = [
     ("w4a16-int4-g128", 16, 4, 8, 256, 512, "uniform"),  # 8 rows per expert
-    ("w4a16-int4-g128", 1, 4, 16, 264, 256, "uniform"),  # 4 experts of one row, 12 empty
-    ("w4a16-mxfp4", 3, 2, 8, 256, 512, "tail"),  # rows past off[E]
+    ("w4a16-int4-g128", 4, 4, 16, 264, 256, "uniform"),  # one row per expert on average, some empty
+    ("w4a16-mxfp4", 4, 2, 8, 256, 512, "tail"),  # rows past off[E]
     ("w4a16-mxfp4", 16, 8, 64, 384, 256, "zero_rows"),
     ("bf16", 5, 2, 8, 256, 512, "uniform"),
 ]
@@ -403,8 +403,8 @@ PREFILL_AT_DECODE_SIZES = [
 @requires_prefill
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind", PREFILL_AT_DECODE_SIZES)
 def test_prefill_kinds_at_decode_sizes_match_cpu(rng, monkeypatch, scheme, m, k, e, n, kdim, kind):
-    """The prefill kinds taking calls of 1-8 rows per expert (the run-time threshold at 1): one
-    prefill launch, equal to the CPU, rows past off[E] zero."""
+    """The prefill kinds taking calls of 1-8 rows per expert on average (the run-time threshold at
+    1; M * top-k >= E): one prefill launch, equal to the CPU, rows past off[E] zero."""
     for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")

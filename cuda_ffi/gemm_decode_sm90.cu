@@ -258,11 +258,6 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   // HUMMING_JAX_DECODE_PRE_PERMUTE=0 keeps the per-MMA-step permutation of whole-mode activations
   // in the 4-bit packed variants (A/B timing).
   D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
-  // HUMMING_JAX_DECODE_TOKEN_TILES=2: in the packed 4-bit variants, items of 1-8 rows run the code
-  // of 16-row items (a second, empty token tile of MMAs) so that a launch of mixed item sizes
-  // executes one mainloop copy instead of two (A/B timing of the instruction-fetch stalls).
-  const char* tiles_env = std::getenv("HUMMING_JAX_DECODE_TOKEN_TILES");
-  D.one_tile_rows = tiles_env && tiles_env[0] == '2' && tiles_env[1] == '\0' ? 0 : 8;
 
   const int64_t n_slices = (N + D.bn - 1) / D.bn;
   if (n_slices > INT32_MAX) return decline(L, "N too large");

@@ -97,8 +97,6 @@ struct DecodeLaunch {
   int whole_row_bytes;      // stride of one activation row held over all of K (whole mode)
   int whole_rows;           // items of at most this many rows hold their activations whole (0: never)
   int pre_permute;          // 1: whole-mode items of 4-bit packed variants pre-permute them (kPrePermute)
-  int one_tile_rows;        // packed 4-bit variants: items of at most this many rows (8, or 0) run on
-                            // one token tile of 8 (the others: 8, a constant of their code)
   int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E, as T <= 16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
@@ -1057,9 +1055,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         else
           K_::template run<T, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
       };
-      // A run-time bound only where it costs no spills (the packed variants have registers to spare).
-      constexpr bool kPacked = DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4;
-      if (nvalid <= (kPacked ? D.one_tile_rows : 8))
+      if (nvalid <= 8)
         run_tiles(std::integral_constant<int, 1>{});
       else if (nvalid <= 16)
         run_tiles(std::integral_constant<int, 2>{});

@@ -156,6 +156,18 @@ def _run_gemm(dev, p, poison=True):
     return _to_np(jax.block_until_ready(f(a, s, w, b, off)))
 
 
+def _prefill_once_matches_cpu(p, what, kernel):
+    """gemm_grouped of `p` on the GPU: one launch of the prefill kernel, equal to the CPU, rows past
+    off[E] zero. Returns the GPU result and off[E]."""
+    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
+        got = _run_gemm(GPU, p)
+    assert launched.count == 1, f"the {kernel} kernel did not run"
+    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
+    last = int(np.asarray(p["off"])[-1])
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+    return got, last
+
+
 PREFILL_CASES = [
     # scheme, activation dtype (None: the scheme's), M tokens, top-k, E, N, K, routing
     ("bf16", None, 1024, 2, 8, 768, 512, "uniform"),
@@ -299,12 +311,7 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
     rows, what = p["a"].shape[0], f"int4 g{group_k} {kind} M={m} E={e} N={n} K={kdim} bias={bias}"
     assert gemm_ops.mixed_prefill(rows, p["w"], jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) == 0
-    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
-        got = _run_gemm(GPU, p)
-    assert launched.count == 1, "the mixed-input prefill kernel did not run"
-    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
-    last = int(np.asarray(p["off"])[-1])
-    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+    got, last = _prefill_once_matches_cpu(p, what, "mixed-input prefill")
     if kind == "tail":
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
     # The same w' through the dequantizing path and the bf16 kernel (below 128 rows per expert for
@@ -372,12 +379,7 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
     assert (gemm_ops.u4rs_prefill if int4 else gemm_ops.fp4_prefill)(rows, p["w"], jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(rows, p["w"], jnp.bfloat16, False) == 0
     assert gemm_ops.mixed_scale_bytes(rows, p["w"], jnp.bfloat16, False) == 0
-    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
-        got = _run_gemm(GPU, p)
-    assert launched.count == 1, "the MXFP4 prefill kernel did not run"
-    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
-    last = int(np.asarray(p["off"])[-1])
-    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+    got, last = _prefill_once_matches_cpu(p, what, "4-bit prefill")
     if kind == "tail":
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS if int4 else gemm_ops.ENV_PREFILL_FP4, "0")
@@ -411,12 +413,7 @@ def test_prefill_kinds_at_decode_sizes_match_cpu(rng, monkeypatch, scheme, m, k,
     weight = _mixed_weight(rng, e, n, kdim, 128) if scheme.startswith("w4a16-int4") else None
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, dtype=jnp.bfloat16, weight=weight)
     what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim}"
-    with _LaunchCount(_PREFILL_LAUNCHES) as launched:
-        got = _run_gemm(GPU, p)
-    assert launched.count == 1, "the prefill kernel did not run"
-    _assert_close(got, _run_gemm(CPU, p, poison=False), jnp.bfloat16, what)
-    last = int(np.asarray(p["off"])[-1])
-    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+    _prefill_once_matches_cpu(p, what, "prefill")
 
 
 @requires_prefill

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, one device call (< 10 minutes; seen on the H200: the test stages side by side
 # ~5 minutes, each sanitizer pass ~12 s, benchmark ~80 s, plus about a minute of machine start):
-# installs the carried libraries (.gpu/, built by scripts/build_gpu_artifacts.sh), reports the
+# installs the carried libraries (.gpu/, built by scripts/build_gpu_artifacts.sh; .whl/ wheels) through
+# scripts/device_env.sh, stops unless the CUDA handlers register, reports the
 # backends, runs the test suite on the GPU (CUDA backend, fast paths, the rest), runs
 # compute-sanitizer (memcheck, racecheck) over scripts/sanitize_driver.py, then a short benchmark
 # against jax.lax.ragged_dot. Logs, JUnit XML and JSON land in $OUT; a summary table prints last.
@@ -16,7 +17,6 @@ mkdir -p "$OUT"
 STAGES=${HJ_STAGES:-report,cuda_tests,fast_tests,tests,memcheck,racecheck,bench}
 PYTEST_ARGS=${HJ_PYTEST_ARGS:---maxfail=50}
 LOG="$OUT/gpu_check.log"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 T0=$(date +%s)
 declare -A STATUS
 
@@ -24,7 +24,7 @@ want() { [[ ",$STAGES," == *",$1,"* ]]; }
 stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
 
 {
-  cp .gpu/*.so humming_jax/ || { echo "no carried libraries in .gpu/ (run scripts/build_gpu_artifacts.sh)"; exit 2; }
+  source scripts/device_env.sh || exit 2
 
   if want report; then
     stage report
@@ -32,6 +32,9 @@ stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
     python3 -c 'import humming_jax, jax; print("jax", jax.__version__, jax.devices()); print(humming_jax._ffi.backend_report()); print("cuda_available:", humming_jax.cuda_available())'
     STATUS[report]=$?
   fi
+  # Without the CUDA handlers every GPU test would skip and the check would pass on nothing.
+  python3 -c 'import humming_jax, sys; sys.exit(0 if humming_jax.cuda_available() else 1)' \
+    || { echo "the CUDA handlers are not registered (see the report above): stopping"; exit 2; }
 
   # The test stages run side by side (their time is mostly compilation, on the host's cores);
   # each process allocates GPU memory as it goes instead of taking most of it up front.

@@ -5,7 +5,8 @@
 #    humming_jax/, the library from libhumming_jax_cuda.so or, compressed to fit the carry limit,
 #    libhumming_jax_cuda.so.xz;
 #  - .gpu/ab/NAME.so.xz (scripts/build_ab_library.sh): other builds of the library, decompressed to
-#    $HJ_AB_DIR/NAME.so for A/B runs (HUMMING_JAX_CUDA_LIB=$HJ_AB_DIR/NAME.so selects one).
+#    $HJ_AB_DIR/NAME.so (default /tmp/hj_ab) for A/B runs (HUMMING_JAX_CUDA_LIB=$HJ_AB_DIR/NAME.so
+#    selects one).
 # Exports PYTHONPATH (the tree, benchmarks/, /tmp/site), PYTHONUNBUFFERED and
 # XLA_PYTHON_CLIENT_PREALLOCATE=false. Returns non-zero, saying why, when something is missing.
 hj_device_env() {
@@ -27,7 +28,7 @@ with lzma.open(sys.argv[1]) as f, open(sys.argv[2], "wb") as g: shutil.copyfileo
   else
     echo "device_env: no CUDA library in .gpu/ (run scripts/build_gpu_artifacts.sh)"; return 1
   fi
-  export HJ_AB_DIR=/tmp/hj_ab
+  export HJ_AB_DIR=${HJ_AB_DIR:-/tmp/hj_ab}
   if compgen -G "$root/.gpu/ab/*.so.xz" > /dev/null; then
     mkdir -p "$HJ_AB_DIR"
     python3 -c 'import lzma, pathlib, shutil, sys

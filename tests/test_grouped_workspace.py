@@ -331,6 +331,10 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
     for bad in ("0", "-3"):  # not a count: the built-in threshold
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)
         assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.MIN_ROWS_PER_EXPERT
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "few")
-    with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_MIN_ROWS"):
-        gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, " +4")
+    assert gemm_ops.prefill_min_rows_per_expert() == 4
+    # Spellings Python's int() takes but the CUDA handler's strtoll would not read as the same number.
+    for bad in ("few", "4 ", "1_6", "4.0", "0x10"):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)
+        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_MIN_ROWS"):
+            gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)

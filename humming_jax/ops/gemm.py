@@ -4,6 +4,7 @@ batched masked. All compute c = a' w'^T (+ bias) in float32 and round to ``out_d
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import jax
@@ -109,14 +110,15 @@ ENV_QUANT_DECODE_ROWS = "HUMMING_JAX_QUANT_DECODE_ROWS"
 
 
 def _env_int(name: str, what: str) -> int | None:
-    """The whole number in environment variable ``name`` (None when unset or empty)."""
+    """The whole number in environment variable ``name`` (None when unset or empty). Only the
+    spellings the CUDA handlers read the same way (optional leading blanks and sign, then digits);
+    anything else is an error here rather than a different value there."""
     raw = os.environ.get(name, "")
     if not raw:
         return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} = {raw!r} is not {what}") from None
+    if re.fullmatch(r"\s*[+-]?[0-9]+", raw) is None:
+        raise ValueError(f"{name} = {raw!r} is not {what}")
+    return int(raw)
 
 
 def prefill_min_rows_per_expert() -> int:

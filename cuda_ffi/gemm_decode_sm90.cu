@@ -213,6 +213,12 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   auto smem_for = [&](int wk) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
+  // HUMMING_JAX_DECODE_PLAN=waves (A/B timing of a candidate rule): the wk with the least
+  // estimated time instead, the waves of resident CTAs times the weight rows each CTA streams,
+  // ceil(CTAs / slots) * bn, the smallest wk among equals. It avoids a second, partial wave that the
+  // default takes for a few more resident CTAs (benchmarks/NOTES.md, v11j).
+  const char* plan_env = std::getenv("HUMMING_JAX_DECODE_PLAN");
+  const bool by_waves = plan_env && std::string(plan_env) == "waves";
   int wk = 1;
   int64_t best = -1;
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
@@ -220,9 +226,15 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     if (sm > kMaxDynamicSmem) break;
     const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
     const int64_t bn = kWarps / c * kRowsPerWarp;
-    const int64_t resident = std::min(est * ((N + bn - 1) / bn), per_sm * sms);
-    if (resident > best) {
-      best = resident;
+    const int64_t ctas = est * ((N + bn - 1) / bn), slots = std::max<int64_t>(1, per_sm * sms);
+    if (by_waves) {
+      const int64_t cost = (ctas + slots - 1) / slots * bn;
+      if (best < 0 || cost < best) {
+        best = cost;
+        wk = c;
+      }
+    } else if (std::min(ctas, slots) > best) {
+      best = std::min(ctas, slots);
       wk = c;
     }
   }

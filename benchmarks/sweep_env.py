@@ -150,7 +150,8 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump({"var": args.var, "values": values, "part": args.part, "timer": args.timer,
                    "trace_lines": trace_lines, "rows": rows, "repeats": args.repeats,
-                   "xla_flags": os.environ["XLA_FLAGS"], "device": str(jax.devices()[0])}, fh, indent=1)
+                   "xla_flags": os.environ["XLA_FLAGS"], "device": str(jax.devices()[0]),
+                   "backends": hj._ffi.backend_report()}, fh, indent=1)
 
 
 if __name__ == "__main__":

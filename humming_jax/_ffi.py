@@ -2,7 +2,8 @@
 
 The CPU handlers live in the nanobind module ``humming_jax._humming_jax_cpu``; the CUDA handlers
 in ``libhumming_jax_cuda.so``, a library without Python (so one build serves every Python
-version), found next to the CPU module, in this package's folder, or at ``$HUMMING_JAX_CUDA_LIB``.
+version), found in this package's folder or next to the CPU module; ``$HUMMING_JAX_CUDA_LIB``
+names another build instead (then that file or none: a missing one is reported, never replaced).
 Both register the same names, ``humming_jax.<call>``; XLA picks the handler by platform.
 """
 
@@ -59,12 +60,12 @@ def _register_cpu() -> None:
 
 def _cuda_candidates() -> list[Path]:
     env = os.environ.get("HUMMING_JAX_CUDA_LIB")
-    found = [Path(env)] if env else []
+    if env:  # an A/B run names its build: falling back to another would time the wrong one
+        return [Path(env)]
     dirs = [Path(__file__).parent]
     if _state["cpu"] is not None:
         dirs.append(_state["cpu"].parent)
-    found += [d / "libhumming_jax_cuda.so" for d in dirs]
-    return found
+    return [d / "libhumming_jax_cuda.so" for d in dirs]
 
 
 def _cuda_platform_present() -> bool:
@@ -78,7 +79,9 @@ def _register_cuda() -> None:
     """Registers the CUDA handlers when the library exists and JAX has a CUDA platform."""
     path = next((p for p in _cuda_candidates() if p.is_file()), None)
     if path is None:
-        _state["cuda_error"] = "libhumming_jax_cuda.so not built (no nvcc/GPU at build time)"
+        env = os.environ.get("HUMMING_JAX_CUDA_LIB")
+        _state["cuda_error"] = (f"HUMMING_JAX_CUDA_LIB={env} is not a file" if env
+                                else "libhumming_jax_cuda.so not built (no nvcc/GPU at build time)")
         return
     if not _cuda_platform_present():
         _state["cuda_error"] = f"{path} found, but JAX has no CUDA platform"

@@ -255,3 +255,29 @@ def test_timer_check_refuses_the_cpu_with_a_clear_message():
     res = subprocess.run([sys.executable, str(BENCH / "timer_check.py"), "--points", "tiny:1"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 1 and "run it on the GPU machine" in res.stderr, res.stderr[-2000:]
+
+
+def test_library_ab_runs_each_build_in_turn_and_checks_the_names(tmp_path):
+    """ab_libraries.py on the CPU: two named builds (stand-in files, as no CUDA library loads here),
+    one process each per round, one table of their medians. A missing build stops it first."""
+    libs = []
+    for name in ("old", "new"):
+        (tmp_path / f"{name}.so").write_bytes(name.encode())
+        libs += ["--lib", f"{name}={tmp_path / name}.so"]
+    out = tmp_path / "ab.json"
+    sweep = ["--shapes", "tiny", "--formats", "bf16", "--tokens", "1", "--repeats", "2"]
+    res = subprocess.run([sys.executable, str(BENCH / "ab_libraries.py"), *libs, "--rounds", "1", "--out", str(out),
+                          "--", *sweep], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert list(data["libs"]) == ["old", "new"] and data["rounds"] == 1
+    (pt,) = data["points"]
+    assert (pt["shape"], pt["format"], pt["M"]) == ("tiny", "bf16", 1)
+    assert pt["vs_first"]["old"] == 1.0 and pt["ms"]["new"] > 0 and pt["ms"]["old"] > 0
+    for name in ("old", "new"):
+        (run,) = data["runs"][name]
+        assert run["var"] == "HUMMING_JAX_CUDA_LIB" and run["values"] == [data["libs"][name]]
+    bad = subprocess.run([sys.executable, str(BENCH / "ab_libraries.py"), "--lib", f"old={tmp_path / 'old.so'}",
+                          "--lib", f"gone={tmp_path / 'gone.so'}", "--", *sweep], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "gone.so is not a file" in bad.stderr

@@ -141,3 +141,21 @@ def test_expert_map_entries_out_of_range_are_skipped(rng, cls):
     )
     want = reference(layer, expert_map=jnp.where((emap >= 0) & (emap < 4), emap, -1))
     assert relative_error(got, want) <= TOL[jnp.dtype(jnp.bfloat16)]
+
+
+def test_a_named_cuda_library_that_is_missing_is_reported_not_replaced(tmp_path):
+    """$HUMMING_JAX_CUDA_LIB names one build (an A/B run's): when that file is missing, no other
+    library is loaded in its place, and the report says which name was wrong."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "old.so"
+    code = "import json, humming_jax as hj; print(json.dumps(hj._ffi.backend_report()))"
+    env = dict(os.environ, HUMMING_JAX_CUDA_LIB=str(missing))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["cuda"] is None
+    assert report["cuda_unavailable_because"] == f"HUMMING_JAX_CUDA_LIB={missing} is not a file"

@@ -95,7 +95,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   const int64_t row_bytes = w.type == WeightType::kFloat ? 2 * K : (four ? K / 2 : K);
 
   // Rows: the work items and how many of them are expected to do work.
-  int64_t est = 0, grid_items = 0;
+  int64_t est = 0, grid_items = 0, rows_total = 0;
   D.item_rows = kItemRows;
   switch (L.mode) {
     case RowMode::kIndexed: {
@@ -112,6 +112,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       // A block holds at most block_m ids, all distinct and below c_rows.
       D.max_rows = static_cast<int>(std::min(L.block_m, L.c_rows));
       est = std::max<int64_t>(1, std::min(bound, expected_distinct(E, L.c_rows)));
+      rows_total = L.c_rows;
       break;
     }
     case RowMode::kGrouped: {
@@ -138,6 +139,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       grid_items = D.items;
       D.max_rows = static_cast<int>(std::min<int64_t>(D.item_rows, R));
       est = std::max<int64_t>(1, expected_distinct(E, R));
+      rows_total = R;
       break;
     }
     default: {
@@ -147,6 +149,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       grid_items = E;
       D.max_rows = static_cast<int>(L.T);
       est = E;
+      rows_total = E * L.T;
       break;
     }
   }
@@ -214,13 +217,17 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
   // HUMMING_JAX_DECODE_PLAN=waves (A/B timing of a candidate rule): the wk with the least
-  // estimated time instead, the waves of resident CTAs times the weight rows each CTA streams,
-  // ceil(CTAs / slots) * bn, the smallest wk among equals. It avoids a second, partial wave that the
-  // default takes for a few more resident CTAs (benchmarks/NOTES.md, v11j).
+  // estimated time instead, the waves of resident CTAs times what one CTA costs: the bytes it reads
+  // (its bn weight rows, its item's expected activation rows) plus a fixed cost for its start-up
+  // and pipeline fill, counted as kCtaFixedBytes (a guess, ~1 us at a CTA's share of the HBM rate,
+  // to be fitted by the sweep); the smallest wk among equals. It avoids a second, partial wave that
+  // the default takes for a few more resident CTAs (benchmarks/NOTES.md, v11j).
+  constexpr int64_t kCtaFixedBytes = 16 << 10;
   const char* plan_env = std::getenv("HUMMING_JAX_DECODE_PLAN");
   const bool by_waves = plan_env && std::string(plan_env) == "waves";
+  const int64_t item_act_bytes = std::min<int64_t>(D.max_rows, (rows_total + est - 1) / est) * K * asz;
   int wk = 1;
-  int64_t best = -1;
+  double best = -1.0;  // most resident CTAs, or (by_waves) least estimated cost
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
@@ -228,13 +235,14 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     const int64_t bn = kWarps / c * kRowsPerWarp;
     const int64_t ctas = est * ((N + bn - 1) / bn), slots = std::max<int64_t>(1, per_sm * sms);
     if (by_waves) {
-      const int64_t cost = (ctas + slots - 1) / slots * bn;
+      const double cost = static_cast<double>((ctas + slots - 1) / slots) *
+                          static_cast<double>(bn * row_bytes + item_act_bytes + kCtaFixedBytes);
       if (best < 0 || cost < best) {
         best = cost;
         wk = c;
       }
-    } else if (std::min(ctas, slots) > best) {
-      best = std::min(ctas, slots);
+    } else if (static_cast<double>(std::min(ctas, slots)) > best) {
+      best = static_cast<double>(std::min(ctas, slots));
       wk = c;
     }
   }

@@ -30,6 +30,17 @@ inline bool env_flag(const char* name, bool unset) {
   return !(v[0] == '0' && v[1] == '\0');
 }
 
+// A run-time count read from the environment at each call: `unset` when absent or empty, the number
+// when the whole value is one (optional leading blanks and sign, then digits: the spellings
+// humming_jax/ops/gemm.py's _env_int accepts), else `malformed`.
+inline int64_t env_count(const char* name, int64_t unset, int64_t malformed) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return unset;
+  char* end = nullptr;
+  const long long n = std::strtoll(v, &end, 10);
+  return end != v && *end == '\0' ? n : malformed;
+}
+
 // Blocks for a grid-stride loop over `work` items: enough to fill the device, never zero work.
 inline unsigned grid_for(int64_t work, int threads, int64_t max_blocks = 4096) {
   int64_t b = (work + threads - 1) / threads;

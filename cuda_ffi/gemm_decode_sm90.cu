@@ -227,22 +227,18 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   const bool by_waves = plan_env && std::string(plan_env) == "waves";
   const int64_t item_act_bytes = std::min<int64_t>(D.max_rows, (rows_total + est - 1) / est) * K * asz;
   int wk = 1;
-  double best = -1.0;  // most resident CTAs, or (by_waves) least estimated cost
+  double best = 0.0;  // the lowest score so far: fewer is better, the first (smallest wk) among equals
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
     const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
     const int64_t bn = kWarps / c * kRowsPerWarp;
     const int64_t ctas = est * ((N + bn - 1) / bn), slots = std::max<int64_t>(1, per_sm * sms);
-    if (by_waves) {
-      const double cost = static_cast<double>((ctas + slots - 1) / slots) *
-                          static_cast<double>(bn * row_bytes + item_act_bytes + kCtaFixedBytes);
-      if (best < 0 || cost < best) {
-        best = cost;
-        wk = c;
-      }
-    } else if (static_cast<double>(std::min(ctas, slots)) > best) {
-      best = static_cast<double>(std::min(ctas, slots));
+    const double score = by_waves ? static_cast<double>((ctas + slots - 1) / slots) *
+                                        static_cast<double>(bn * row_bytes + item_act_bytes + kCtaFixedBytes)
+                                  : -static_cast<double>(std::min(ctas, slots));  // resident CTAs
+    if (c == 1 || score < best) {
+      best = score;
       wk = c;
     }
   }

@@ -41,21 +41,15 @@ bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); 
 // kMinRowsPerExpert (read at each call, for A/B measurements against the decode kernel; humming_jax/
 // ops/gemm.py reads it when tracing to size the workspace for the path taken).
 int64_t min_rows_per_expert() {
-  const char* v = std::getenv("HUMMING_JAX_PREFILL_MIN_ROWS");
-  if (v == nullptr || *v == '\0') return kMinRowsPerExpert;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return (end != v && *end == '\0' && n > 0) ? n : kMinRowsPerExpert;
+  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", kMinRowsPerExpert, kMinRowsPerExpert);
+  return n > 0 ? n : kMinRowsPerExpert;
 }
 
 // HUMMING_JAX_PREFILL_U4RS: unset, kU4RsMaxRowsPerExpert; 0, the uint4 calls of our 4-bit mainloop
 // stay on the CUTLASS mixed-input kinds; n > 0, the mainloop's upper bound (rows per expert).
 int64_t u4rs_max_rows_per_expert() {
-  const char* v = std::getenv("HUMMING_JAX_PREFILL_U4RS");
-  if (v == nullptr || *v == '\0') return kU4RsMaxRowsPerExpert;
-  char* end = nullptr;
-  const long long n = std::strtoll(v, &end, 10);
-  return (end != v && *end == '\0' && n > 0) ? n : 0;
+  const int64_t n = env_count("HUMMING_JAX_PREFILL_U4RS", kU4RsMaxRowsPerExpert, 0);
+  return n > 0 ? n : 0;
 }
 
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height

@@ -58,8 +58,8 @@ def _register_cpu() -> None:
     _state["cpu"] = Path(_humming_jax_cpu.__file__)
 
 
-def _cuda_candidates() -> list[Path]:
-    env = os.environ.get("HUMMING_JAX_CUDA_LIB")
+def _cuda_candidates(env: str | None) -> list[Path]:
+    """Where the CUDA library may be: ``env`` ($HUMMING_JAX_CUDA_LIB) alone when set."""
     if env:  # an A/B run names its build: falling back to another would time the wrong one
         return [Path(env)]
     dirs = [Path(__file__).parent]
@@ -77,9 +77,9 @@ def _cuda_platform_present() -> bool:
 
 def _register_cuda() -> None:
     """Registers the CUDA handlers when the library exists and JAX has a CUDA platform."""
-    path = next((p for p in _cuda_candidates() if p.is_file()), None)
+    env = os.environ.get("HUMMING_JAX_CUDA_LIB")
+    path = next((p for p in _cuda_candidates(env) if p.is_file()), None)
     if path is None:
-        env = os.environ.get("HUMMING_JAX_CUDA_LIB")
         _state["cuda_error"] = (f"HUMMING_JAX_CUDA_LIB={env} is not a file" if env
                                 else "libhumming_jax_cuda.so not built (no nvcc/GPU at build time)")
         return

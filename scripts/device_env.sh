@@ -9,8 +9,12 @@
 #    selects one).
 # Exports PYTHONPATH (the tree, benchmarks/, /tmp/site), PYTHONUNBUFFERED and
 # XLA_PYTHON_CLIENT_PREALLOCATE=false. Returns non-zero, saying why, when something is missing.
+hj_unxz() {  # SRC.xz DST (python3's lzma: no xz binary needed on the GPU machine)
+  python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as f, open(sys.argv[2], "wb") as g: shutil.copyfileobj(f, g)' "$1" "$2"
+}
 hj_device_env() {
-  local root
+  local root f
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   if compgen -G "$root/.whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -22,19 +26,16 @@ hj_device_env() {
   if [[ -f $root/.gpu/libhumming_jax_cuda.so ]]; then
     cp "$root/.gpu/libhumming_jax_cuda.so" "$root/humming_jax/"
   elif [[ -f $root/.gpu/libhumming_jax_cuda.so.xz ]]; then
-    python3 -c 'import lzma, shutil, sys
-with lzma.open(sys.argv[1]) as f, open(sys.argv[2], "wb") as g: shutil.copyfileobj(f, g)' \
-      "$root/.gpu/libhumming_jax_cuda.so.xz" "$root/humming_jax/libhumming_jax_cuda.so" || return 1
+    hj_unxz "$root/.gpu/libhumming_jax_cuda.so.xz" "$root/humming_jax/libhumming_jax_cuda.so" || return 1
   else
     echo "device_env: no CUDA library in .gpu/ (run scripts/build_gpu_artifacts.sh)"; return 1
   fi
   export HJ_AB_DIR=${HJ_AB_DIR:-/tmp/hj_ab}
   if compgen -G "$root/.gpu/ab/*.so.xz" > /dev/null; then
     mkdir -p "$HJ_AB_DIR"
-    python3 -c 'import lzma, pathlib, shutil, sys
-for p in sorted(pathlib.Path(sys.argv[1]).glob("*.so.xz")):
-    with lzma.open(p) as f, open(pathlib.Path(sys.argv[2]) / p.name[:-3], "wb") as g: shutil.copyfileobj(f, g)' \
-      "$root/.gpu/ab" "$HJ_AB_DIR" || return 1
+    for f in "$root"/.gpu/ab/*.so.xz; do
+      hj_unxz "$f" "$HJ_AB_DIR/$(basename "${f%.xz}")" || return 1
+    done
   fi
 }
 hj_device_env

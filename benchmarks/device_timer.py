@@ -117,7 +117,8 @@ def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: flo
                          trace_dir: str | None = None) -> dict | None:
     """Runs ``call()`` ``calls`` times under a profiler trace (warm it first: compilation and graph
     recording would be counted) and returns {"ms": device time per call, "kernels": intervals seen,
-    "lines": lines used}; None when the trace has no GPU plane."""
+    "lines": lines used, "sequence": launch_sequence of the calls}; None when the trace has no GPU
+    plane."""
     found = trace_calls(call, calls, trace_dir)
     if found is None:
         return None
@@ -125,7 +126,8 @@ def device_time_per_call(call: Callable[[], Any], calls: int, *, max_gap_us: flo
     if not events:
         raise RuntimeError(f"the trace's GPU plane holds no kernel events (lines: {lines})")
     busy = busy_time_ns(((s, e) for _, s, e in events), max_gap_us * 1e3)
-    return {"ms": busy / calls / 1e6, "kernels": len(events), "lines": lines}
+    return {"ms": busy / calls / 1e6, "kernels": len(events), "lines": lines,
+            "sequence": launch_sequence(events, calls)}
 
 
 def assign_to_marks(intervals: Iterable[tuple[float, float]], marks: list[tuple[int, float, float]],

@@ -11,7 +11,9 @@ drifts of the machine fall on all of them alike. Part "gemms" times GEMM1 -> act
 with the routing prepared outside (bench_moe's gemms part), "layer" the whole fused_moe. The value
 "unset" removes the variable (the built-in default). ``--timer device`` reads each sample's time
 from a profiler trace of the GPU's kernels instead of the wall clock (device_timer.py), for points
-short enough that the host's dispatch can set the wall-clock figure.
+short enough that the host's dispatch can set the wall-clock figure; it also records each launch's
+median µs within a call ("launches_us": GEMM1 and GEMM2 apart, for a per-GEMM choice such as the
+decode K split).
 
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WK --values unset,1,2,4,8 --out sweep.json
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WHOLE_ACT --values 1,0 --tokens 1,16
@@ -57,6 +59,14 @@ def burst_s(step, calls: int) -> float:
     return time.perf_counter() - t0
 
 
+def launch_medians(seqs: list[list[tuple[str, float]]]) -> list[list] | None:
+    """[kernel name, median µs] per launch position over samples; None if the samples' kernels differ."""
+    names = [n for n, _ in seqs[0]]
+    if any([n for n, _ in s] != names for s in seqs[1:]):
+        return None
+    return [[n, float(np.median([s[p][1] for s in seqs]))] for p, n in enumerate(names)]
+
+
 def make_step(jp: js.JaxPoint, part: str):
     """A fresh executable (its own recorded graphs) running the part once per input set."""
     if part == "layer":
@@ -100,13 +110,16 @@ def main() -> None:
     rows = []
     trace_lines: list[str] = []
 
-    def sample_ms(step, calls: int, sets: int) -> float:
+    def sample_ms(step, calls: int, sets: int, launches: list) -> float:
+        """One sample's ms per input set; with the device timer, appends its launch sequence."""
         if args.timer == "wall":
             return burst_s(step, calls) / (calls * sets) * 1e3
         res = device_time_per_call(step, calls)
         if res is None:
             raise SystemExit("--timer device: the trace has no GPU plane (this backend has no device timeline)")
         trace_lines[:] = res["lines"]
+        if res["sequence"] is not None:
+            launches.append(res["sequence"])
         return res["ms"] / sets
 
     for shape in args.shapes.split(","):
@@ -135,15 +148,19 @@ def main() -> None:
                     print(f"{shape:16s} {fmt:18s} M={m:<5d} failed: {str(exc).splitlines()[0]}", flush=True)
                     continue
                 samples: dict[str, list[float]] = {v: [] for v in values}
+                seqs: dict[str, list] = {v: [] for v in values}
                 for _ in range(args.repeats):
                     for v in values:
                         set_var(args.var, v)
-                        samples[v].append(sample_ms(steps[v], calls[v], jp.R))
+                        samples[v].append(sample_ms(steps[v], calls[v], jp.R, seqs[v]))
                 res = {v: float(np.median(t)) for v, t in samples.items()}
                 best = min(res, key=res.get)
                 print(f"{shape:16s} {fmt:18s} M={m:<5d} " + " ".join(f"{v}={ms_:.4f}" for v, ms_ in res.items())
                       + f"  best {best} ({res[values[0]] / res[best]:.2f}x {values[0]})", flush=True)
-                rows.append({"shape": shape, "format": fmt, "M": m, "sets": jp.R, "ms": res, "samples_ms": samples})
+                row = {"shape": shape, "format": fmt, "M": m, "sets": jp.R, "ms": res, "samples_ms": samples}
+                if all(seqs.values()):
+                    row["launches_us"] = {v: launch_medians(s) for v, s in seqs.items()}
+                rows.append(row)
                 del steps, jp
             del w
     set_var(args.var, before if before is not None else "unset")

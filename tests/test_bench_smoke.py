@@ -5,6 +5,7 @@ README section and targets check are generated from it."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -138,6 +139,19 @@ def test_env_sweep_times_every_value_in_turn(tmp_path):
     assert all(v > 0 for v in row["ms"].values())
 
 
+def test_launch_medians_take_each_position_apart_and_refuse_differing_kernels():
+    from sweep_env import launch_medians
+
+    rng = np.random.default_rng()
+    us = rng.uniform(1, 100, (5, 3))
+    names = ["gemm", "act", "gemm"]  # one kernel launched twice: told apart by position
+    seqs = [[(n, float(u)) for n, u in zip(names, row)] for row in us]
+    got = launch_medians(seqs)
+    assert [n for n, _ in got] == names
+    np.testing.assert_allclose([u for _, u in got], np.median(us, axis=0), rtol=1e-12)
+    assert launch_medians(seqs + [[("gemm", 1.0), ("other", 1.0), ("gemm", 1.0)]]) is None
+
+
 def test_busy_time_merges_overlaps_and_counts_only_short_gaps():
     from device_timer import busy_time_ns
 
@@ -258,11 +272,17 @@ def test_timer_check_refuses_the_cpu_with_a_clear_message():
 
 
 def test_library_ab_runs_each_build_in_turn_and_checks_the_names(tmp_path):
-    """ab_libraries.py on the CPU: two named builds (stand-in files, as no CUDA library loads here),
-    one process each per round, one table of their medians. A missing build stops it first."""
+    """ab_libraries.py: two named builds, one process each per round, one table of their medians. A
+    missing build stops it first. With CUDA the builds are copies of the loaded library (a process on
+    a GPU loads the file it is given); on the CPU, stand-in files (no CUDA library is loaded there)."""
+    real = hj._ffi.backend_report()["cuda"]
     libs = []
     for name in ("old", "new"):
-        (tmp_path / f"{name}.so").write_bytes(name.encode())
+        dst = tmp_path / f"{name}.so"
+        if real:
+            shutil.copyfile(real, dst)
+        else:
+            dst.write_bytes(name.encode())
         libs += ["--lib", f"{name}={tmp_path / name}.so"]
     out = tmp_path / "ab.json"
     sweep = ["--shapes", "tiny", "--formats", "bf16", "--tokens", "1", "--repeats", "2"]

@@ -197,10 +197,17 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
       static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(p.a.group_k, 1), int64_t{1} << 30)));
 
   // Warps along K (wk) against warps along N: more CTAs (large wk) let more SMs stream at once, a
-  // wider CTA (small wk) shares each activation load among more rows and keeps the activation
-  // stage small enough for two CTAs per SM (the register budget allows two). Pick the wk with the
-  // most CTAs resident at once (expected work items times N slices, capped by the SM slots its
-  // shared memory leaves), the smallest wk among equals; never more K groups than chunk columns.
+  // wider CTA (small wk) shares each activation load among more rows, has fewer CTA start-ups and
+  // keeps the activation stage small enough for two CTAs per SM. Pick the wk with the least
+  // estimated time: rounds of CTAs times what one CTA costs, the bytes it reads (its bn weight
+  // rows, its item's expected activation rows) plus kCtaFixedBytes for its start-up and pipeline
+  // fill; the smallest wk among equals; never more K groups than chunk columns. A round is the
+  // larger of two bounds: the waves of resident CTAs (ceil(CTAs / slots)), and the busiest SM's
+  // CTAs (ceil(CTAs / SMs)) at kPairCost tenths of a CTA each, as two CTAs sharing an SM take ~1.2x
+  // one CTA's time. Fitted on per-GEMM timings of every wk (benchmarks/NOTES.md, v11k: 72 GEMMs of
+  // three shapes and four formats at M = 1, 4, 16; 2.3% above the per-GEMM best in total against
+  // 5.0% for the previous rule, the most resident CTAs, which HUMMING_JAX_DECODE_PLAN=resident
+  // keeps for A/B timing).
   D.nc = static_cast<int>((K + kw - 1) / kw);
   D.div_upr = make_fastdiv(static_cast<uint32_t>(D.nc * kw * asz / 16));
   D.div_gn = make_fastdiv(std::min<uint32_t>(std::max<uint32_t>(L.group_n, 1u), 1u << 30));  // n < 2^30
@@ -216,27 +223,23 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   auto smem_for = [&](int wk) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
-  // HUMMING_JAX_DECODE_PLAN=waves (A/B timing of a candidate rule): the wk with the least
-  // estimated time instead, the waves of resident CTAs times what one CTA costs: the bytes it reads
-  // (its bn weight rows, its item's expected activation rows) plus a fixed cost for its start-up
-  // and pipeline fill, counted as kCtaFixedBytes (a guess, ~1 us at a CTA's share of the HBM rate,
-  // to be fitted by the sweep); the smallest wk among equals. It avoids a second, partial wave that
-  // the default takes for a few more resident CTAs (benchmarks/NOTES.md, v11j).
-  constexpr int64_t kCtaFixedBytes = 16 << 10;
+  constexpr int64_t kCtaFixedBytes = 32 << 10;
+  constexpr int64_t kPairCost = 6;  // tenths of a CTA's time per CTA on an SM running two
   const char* plan_env = std::getenv("HUMMING_JAX_DECODE_PLAN");
-  const bool by_waves = plan_env && std::string(plan_env) == "waves";
+  const bool by_resident = plan_env && std::string(plan_env) == "resident";
   const int64_t item_act_bytes = std::min<int64_t>(D.max_rows, (rows_total + est - 1) / est) * K * asz;
   int wk = 1;
-  double best = 0.0;  // the lowest score so far: fewer is better, the first (smallest wk) among equals
+  double best = 0.0;  // the lowest score so far, the first (smallest wk) among equals; double: no overflow
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
     const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
     const int64_t bn = kWarps / c * kRowsPerWarp;
     const int64_t ctas = est * ((N + bn - 1) / bn), slots = std::max<int64_t>(1, per_sm * sms);
-    const double score = by_waves ? static_cast<double>((ctas + slots - 1) / slots) *
-                                        static_cast<double>(bn * row_bytes + item_act_bytes + kCtaFixedBytes)
-                                  : -static_cast<double>(std::min(ctas, slots));  // resident CTAs
+    const int64_t tenths = std::max(10 * ((ctas + slots - 1) / slots), kPairCost * ((ctas + sms - 1) / sms));
+    const double score = by_resident ? -static_cast<double>(std::min(ctas, slots))  // resident CTAs
+                                     : static_cast<double>(tenths) *
+                                           static_cast<double>(bn * row_bytes + item_act_bytes + kCtaFixedBytes);
     if (c == 1 || score < best) {
       best = score;
       wk = c;

@@ -301,3 +301,29 @@ def test_library_ab_runs_each_build_in_turn_and_checks_the_names(tmp_path):
                           "--lib", f"gone={tmp_path / 'gone.so'}", "--", *sweep], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "gone.so is not a file" in bad.stderr
+
+
+def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
+    """fit_decode_split.py on the committed per-GEMM sweep: its copy of plan()'s candidates gives
+    the splits the H200 logged (HUMMING_JAX_DECODE_LOG=1, v11k call 3) under both rules, and the
+    rule in force is closer to the per-GEMM best than the previous one."""
+    import fit_decode_split as fds
+
+    logged = {  # (format, N, K, experts, routed rows): (previous rule's wk, the rule in force's wk)
+        ("w8a8-fp8-block128", 1536, 2048, 128, 8): (8, 4),
+        ("w8a8-fp8-block128", 2048, 768, 128, 8): (8, 4),
+        ("w4a16-int4-g128", 4096, 7168, 32, 32): (1, 2),
+        ("w4a16-int4-g128", 1536, 2048, 128, 32): (2, 2),
+        ("w4a16-int4-g128", 2048, 768, 128, 32): (2, 1),
+        ("w4a16-int4-g128", 4096, 14336, 8, 2): (8, 8),
+        ("w8a8-fp8-block128", 28672, 4096, 8, 2): (2, 4),
+        ("bf16", 7168, 2048, 32, 8): (2, 4),
+    }
+    for (fmt, n, k, e, rows), (old, new) in logged.items():
+        cs = fds.candidates(fmt, n, k, e, rows)
+        assert (fds.by_resident(cs), fds.by_time()(cs)) == (old, new), (fmt, n, k, e, rows)
+    sweep = BENCH / "results" / "h200" / "2026-12-03-sweep-decode-wk-per-gemm.json"
+    items = fds.gemms(json.loads(sweep.read_text()))
+    assert len(items) == 72 and all(set(it["us"]) == {c.wk for c in it["cands"]} for it in items)
+    old, new = fds.evaluate(items, fds.by_resident), fds.evaluate(items, fds.by_time())
+    assert new["total"] < old["total"] and new["worst"] < old["worst"]

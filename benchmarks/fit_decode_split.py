@@ -1,0 +1,139 @@
+"""The decode kernel's K-split rule against per-GEMM timings of every split: reads a
+``sweep_env.py --var HUMMING_JAX_DECODE_WK --values unset,1,2,4,8 --timer device`` result (its
+``launches_us``: GEMM1 and GEMM2 apart), rebuilds each GEMM's candidate splits the way
+``plan()`` in cuda_ffi/gemm_decode_sm90.cu does (indexed layout, H200: 132 SMs), and reports how
+far each rule's choices are above the per-GEMM best. Fits the rule's two constants over a grid.
+
+    python3 benchmarks/fit_decode_split.py benchmarks/results/h200/2026-12-03-sweep-decode-wk-per-gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+
+import moe_setup as ms
+
+SMS = 132                      # H200
+SMEM_PER_SM = 228 * 1024       # gemm_decode_sm90.cu kSmemPerSm
+SMEM_RESERVED_PER_CTA = 1024 + 768
+MAX_DYNAMIC_SMEM = 227 * 1024 - 768
+STAGES, W_STAGE_BYTES, WARPS, ROWS_PER_WARP, ITEM_ROWS = 4, 16 * 1024, 8, 32, 16
+
+
+@dataclass
+class Candidate:
+    wk: int
+    ctas: int
+    slots: int
+    cta_bytes: int  # bn weight rows + the item's expected activation rows
+
+
+def expected_distinct(e: int, draws: int) -> int:
+    return math.ceil(e * (1 - (1 - 1 / e) ** draws)) if e > 0 and draws > 0 else 0
+
+
+def candidates(fmt: str, n: int, k: int, e: int, rows: int) -> list[Candidate]:
+    """The splits plan() may take for an indexed call of ``rows`` routed rows (block_m = 16)."""
+    q8 = fmt.startswith("w8a8")
+    four = "int4" in fmt or "mxfp4" in fmt
+    raw = fmt == "bf16"
+    epc = 8 if raw else (32 if four else 16)
+    kw, asz = 4 * epc, 1 if q8 else 2
+    row_bytes = 2 * k if raw else (k // 2 if four else k)
+    max_rows, est = min(ITEM_ROWS, rows), max(1, expected_distinct(e, rows))
+    want = 64 if epc * asz == 16 else 16
+    nc = -(-k // kw)
+    act = min(max_rows, -(-rows // est)) * k * asz
+    out = []
+    for wk in (1, 2, 4, 8):
+        if wk > 1 and wk > nc:
+            break
+        base = wk * kw * asz
+        smem = STAGES * (W_STAGE_BYTES + max_rows * (base + ((want - base % 128) + 128) % 128))
+        if smem > MAX_DYNAMIC_SMEM:
+            break
+        per_sm = min(2, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
+        bn = WARPS // wk * ROWS_PER_WARP
+        out.append(Candidate(wk, est * -(-n // bn), max(1, per_sm * SMS), bn * row_bytes + act))
+    return out
+
+
+def by_resident(cs: list[Candidate]) -> int:
+    """The previous rule: the most CTAs resident at once, the smallest wk among equals."""
+    return max(cs, key=lambda c: (min(c.ctas, c.slots), -c.wk)).wk
+
+
+def by_time(fixed_bytes: int = 32 << 10, pair_tenths: int = 6):
+    """The rule in force: rounds (the larger of resident waves and pair_tenths / 10 x the busiest
+    SM's CTAs) times (a CTA's bytes + fixed_bytes), the smallest wk among equals."""
+    def rule(cs: list[Candidate]) -> int:
+        def score(c: Candidate) -> int:
+            tenths = max(10 * -(-c.ctas // c.slots), pair_tenths * -(-c.ctas // SMS))
+            return tenths * (c.cta_bytes + fixed_bytes)
+        return min(cs, key=lambda c: (score(c), c.wk)).wk
+    return rule
+
+
+def per_gemm_times(sequence: list[list]) -> tuple[list[float], list[float]]:
+    """GEMM1 and GEMM2 µs of one call's launches: a decode launch followed by another kernel
+    (the activation) is a GEMM1, the rest GEMM2s (input sets may interleave)."""
+    dec = ["decode_kernel" in name for name, _ in sequence]
+    g1, g2 = [], []
+    for i, (is_dec, (_, us)) in enumerate(zip(dec, sequence)):
+        if is_dec:
+            (g1 if i + 1 < len(dec) and not dec[i + 1] else g2).append(us)
+    return g1, g2
+
+
+def gemms(data: dict) -> list[dict]:
+    """One entry per GEMM: its name, candidates and µs per forced wk."""
+    out = []
+    for row in data["rows"]:
+        e, topk, h, i = ms.SHAPES[row["shape"]]
+        per_value = {}
+        for v, seq in row["launches_us"].items():
+            g1, g2 = per_gemm_times(seq)
+            if len(g1) != row["sets"] or len(g2) != row["sets"]:
+                raise SystemExit(f"{row['shape']} {row['format']} M={row['M']}: launches do not split into GEMMs")
+            per_value[v] = (sum(g1) / len(g1), sum(g2) / len(g2))
+        for g, (n, k) in enumerate(((2 * i, h), (h, i))):
+            cs = candidates(row["format"], n, k, e, row["M"] * topk)
+            t = {c.wk: per_value[str(c.wk)][g] for c in cs}
+            out.append({"name": f"{row['shape']} {row['format']} M={row['M']} GEMM{g + 1}", "cands": cs, "us": t})
+    return out
+
+
+def evaluate(items: list[dict], rule) -> dict:
+    """Mean and worst regret against the per-GEMM best, and the total time above the best."""
+    regrets = [it["us"][rule(it["cands"])] / min(it["us"].values()) - 1 for it in items]
+    total = sum(it["us"][rule(it["cands"])] for it in items) / sum(min(it["us"].values()) for it in items) - 1
+    return {"mean": sum(regrets) / len(regrets), "worst": max(regrets), "total": total}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("sweep", help="sweep_env.py JSON of HUMMING_JAX_DECODE_WK with launches_us")
+    p.add_argument("--show", action="store_true", help="each GEMM's choice under both rules")
+    args = p.parse_args()
+    with open(args.sweep) as fh:
+        items = gemms(json.load(fh))
+    fmt = "{mean:6.2%} mean, {worst:6.2%} worst, {total:6.2%} in total above the per-GEMM best"
+    print(f"{len(items)} GEMMs")
+    print("resident (previous):", fmt.format(**evaluate(items, by_resident)))
+    print("by time (in force): ", fmt.format(**evaluate(items, by_time())))
+    grid = [(evaluate(items, by_time(f << 10, t)), f, t) for f in (16, 24, 32, 40, 48, 64) for t in (5, 6, 7)]
+    best = min(grid, key=lambda g: g[0]["total"])
+    print(f"grid best: fixed {best[1]} KB, pair {best[2] / 10:.1f}:", fmt.format(**best[0]))
+    if args.show:
+        new = by_time()
+        for it in items:
+            a, b = by_resident(it["cands"]), new(it["cands"])
+            print(f"  {it['name']:44s} resident wk{a} {it['us'][a]:8.2f} µs  by time wk{b} {it['us'][b]:8.2f} µs  "
+                  f"best {min(it['us'].values()):8.2f}")
+
+
+if __name__ == "__main__":
+    main()

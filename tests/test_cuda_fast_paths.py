@@ -699,6 +699,42 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
     _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} many items")
 
 
+_DECODE_WG_LAUNCHES = _ffi.launch_counter("HjDecodeWgmmaLaunches") if GPU is not None else None
+
+# fp8 x fp8 on wgmma: the planner takes it at K splits of 1 or 2 (HUMMING_JAX_DECODE_WK), with the
+# activations whole over K or per stage (HUMMING_JAX_DECODE_WHOLE_ACT=0); HUMMING_JAX_DECODE_WGMMA=0
+# keeps the mma.sync variant. Shapes: 1 row per item (B of 8 tokens), up to 16 (B of 16), and K = 80
+# (a partial last chunk column, per-channel weight scales, one activation scale per token).
+_WG_ENV = {"default": {}, "wk1": {"HUMMING_JAX_DECODE_WK": "1"}, "wk2": {"HUMMING_JAX_DECODE_WK": "2"},
+           "staged": {"HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
+           "mma": {"HUMMING_JAX_DECODE_WGMMA": "0"}}
+
+
+@requires_decode
+@pytest.mark.parametrize("variant", sorted(_WG_ENV))
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim", [("w8a8-fp8-block128", 1, 8, 128, 264, 256),
+                                                 ("w8a8-fp8-block128", 16, 4, 8, 200, 384),
+                                                 ("w8a8-fp8-tensor", 6, 2, 6, 131, 512),
+                                                 ("w8a8-fp8-channel", 5, 2, 6, 67, 80)])
+def test_decode_fp8_wgmma_variant_matches_cpu(rng, monkeypatch, variant, scheme, m, k, e, n, kdim):
+    for name, value in _WG_ENV[variant].items():
+        monkeypatch.setenv(name, value)
+    dtype = SCHEMES[scheme].default_dtype
+    if kdim % 128:
+        w = _custom_weight(rng, WeightType.FP8_E4M3, e, n, kdim, kdim, np.float32)
+        quant = ("fp8", 0)
+    else:
+        w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+        quant = act_quant_params(SCHEMES[scheme].act_key)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    with _LaunchCount(_DECODE_WG_LAUNCHES) as wg:
+        _decode_forms_match_cpu(rng, w, bias, dtype, quant, m, k, 9, f"{scheme} {variant} M={m} K={kdim}")
+    if variant == "mma":
+        assert wg.count == 0, "HUMMING_JAX_DECODE_WGMMA=0 must keep the mma.sync variant"
+    elif variant != "default":
+        assert wg.count == 5, f"expected the five GEMM calls on the wgmma variant, got {wg.count}"
+
+
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
     """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
     return random_packed_weight(rng, wtype, e, n, kdim, group_k, scale_dtype=scale_dtype, fp8_std=2.0, **kw)

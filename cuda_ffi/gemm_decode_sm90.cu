@@ -275,13 +275,19 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     }
   }
 
-  // fp8 weights x fp8 activations on wgmma (Kern::kWG) where the split leaves whole warpgroups along
-  // N (wk <= 2): activations of 8 * wg_groups token rows per chunk column in swizzled atoms, whole
-  // over K when they fit beside the ring (as above), else per stage. HUMMING_JAX_DECODE_WGMMA=0
-  // keeps the mma.sync variant (A/B timing).
+  // fp8 weights x fp8 activations on wgmma (Kern::kWG), opt-in: HUMMING_JAX_DECODE_WGMMA=1, where
+  // the split leaves whole warpgroups along N (wk <= 2): activations of 8 * wg_groups token rows
+  // per chunk column in swizzled atoms, whole over K when they fit beside the ring (as above), else
+  // per stage. Exact, but measured 0-5% slower than the mma.sync variant (benchmarks/NOTES.md,
+  // v11l), so not the default. =2 leaves out the async-proxy fence before each stage's barrier
+  // (what the 4-bit prefill mainloop does), for timing only.
   D.wg_groups = 0;
+  D.wg_fence = 1;
+  const char* wg_env = std::getenv("HUMMING_JAX_DECODE_WGMMA");
+  const int wg_mode = wg_env && *wg_env ? std::atoi(wg_env) : 0;
   if (w.type == WeightType::kFp8E4M3 && ak == ActKind::kFp8 && dq == Deq::kCodes && wk <= 2 &&
-      env_flag("HUMMING_JAX_DECODE_WGMMA", true)) {
+      (wg_mode == 1 || wg_mode == 2)) {
+    D.wg_fence = wg_mode == 1 ? 1 : 0;
     const int groups = (D.max_rows + 7) / 8;  // max_rows <= 16 for 8-bit activations
     const int64_t group_bytes = int64_t{groups} * 8 * 64;
     D.wg_groups = groups;

@@ -98,6 +98,7 @@ struct DecodeLaunch {
   int whole_rows;           // items of at most this many rows hold their activations whole (0: never)
   int pre_permute;          // 1: whole-mode items of 4-bit packed variants pre-permute them (kPrePermute)
   int wg_groups;            // wgmma variant (fp8 x fp8): 8-token groups of its B operand (1 or 2); 0: mma.sync
+  int wg_fence;             // ... 1: the async-proxy fence before each stage's barrier; 0: none (measurement)
   int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E, as T <= 16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
@@ -877,7 +878,9 @@ struct Kern {
       // for the activations. kWG: wgmma reads what the other warps of the group copied, so each
       // stage also needs the group's barrier, after this thread's copies are made visible to the
       // async proxy; every warp of the group waited for its MMAs of stage it - 1 before it.
-      if constexpr (kWG) fence_proxy_async();
+      if constexpr (kWG) {
+        if (D.wg_fence) fence_proxy_async();
+      }
       if (!whole || it == 0)
         __syncthreads();
       else if constexpr (kWG)

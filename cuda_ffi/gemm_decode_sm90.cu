@@ -14,7 +14,8 @@ namespace decode {
 namespace {
 
 std::atomic<uint64_t> g_launches{0};
-std::atomic<uint64_t> g_wg_launches{0};  // of which the wgmma variant
+std::atomic<uint64_t> g_wg_launches{0};    // of which the wgmma variant
+std::atomic<uint64_t> g_ring_launches{0};  // ... and the fp8 ring kernel
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
@@ -350,6 +351,19 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   Plan pl;
   if (!plan(L, sms, &pl)) return Error::Success();
   const DecodeLaunch& D = pl.D;
+  // HUMMING_JAX_DECODE_RING=1: fp8 x fp8 calls on the persistent ring kernel (opt-in until timed).
+  if (pl.dq == Deq::kCodes && env_flag("HUMMING_JAX_DECODE_RING", false) && fp8_ring_applies(D)) {
+    if (launch_fp8_ring(D, sms, stream)) {
+      *launched = true;
+      g_launches.fetch_add(1, std::memory_order_relaxed);
+      g_ring_launches.fetch_add(1, std::memory_order_relaxed);
+      if (env_flag("HUMMING_JAX_DECODE_LOG", false))
+        std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (items=%d rows<=%d)\n",
+                     mode_name(L.mode), D.N, D.K, D.items, D.max_rows);
+      return launch_status(call, "fp8_ring_kernel");
+    }
+    decline(L, "fp8 ring kernel: set-up failed (tensor map or shared-memory limit); planned kernel instead");
+  }
   bool ok = false;
   switch (L.p.w.type) {
     case WeightType::kFloat: ok = launch_family<WeightType::kFloat>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
@@ -385,4 +399,9 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeLaunches() {
 // Of those, launches of the fp8 x fp8 wgmma variant.
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeWgmmaLaunches() {
   return hj::decode::g_wg_launches.load(std::memory_order_relaxed);
+}
+
+// ... and of the fp8 ring kernel.
+extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeRingLaunches() {
+  return hj::decode::g_ring_launches.load(std::memory_order_relaxed);
 }

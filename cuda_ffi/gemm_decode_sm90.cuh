@@ -1045,6 +1045,124 @@ __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int
   }
 }
 
+// Rows of work item `item` (run by one warp) for the fp8 ring kernel (gemm_decode_sm90_fp8_ring.cu):
+// s_info = {expert (-1: none), valid rows, zero rows lo, hi}; s_arow / s_crow: each valid row's
+// activation row and output row. Indexed: the block's distinct valid ids; grouped: 16-row tiles of
+// each expert's rows, experts in order, then items of zero rows past the last expert; batched: one
+// expert's first T rows, zeros past its count. decode_kernel keeps an inline copy of the same
+// enumeration: calling this instead changed ptxas' register allocation of its 128-register
+// variants (fp8 x fp8 4 -> 36 bytes of spills, the float32 modes 4 -> 8-12), not yet timed.
+__device__ __forceinline__ void find_item(const DecodeLaunch& D, int item, int lane, int32_t* s_arow,
+                                          int32_t* s_crow, int* s_info) {
+  const GemmLaunch& L = D.g;
+  if (L.mode == RowMode::kIndexed) {
+    const int expert = L.block_expert_ids[item];
+    const bool eok = expert >= 0 && expert < L.E;  // never address weights with an invalid id
+    bool valid = false;
+    int64_t id = -1;
+    if (eok && lane < L.block_m) {
+      id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
+      // ids below c_rows < 2^31 (host-checked) divide in 32 bits
+      valid = id >= 0 && id < L.c_rows && D.div_gather.div(static_cast<uint32_t>(id)) < L.a_rows;
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, valid);
+    const int slot = __popc(mask & ((1u << lane) - 1u));
+    if (valid && slot < D.max_rows) {  // ids are distinct: a block holds at most max_rows
+      s_arow[slot] = static_cast<int32_t>(D.div_gather.div(static_cast<uint32_t>(id)));
+      s_crow[slot] = static_cast<int32_t>(id);
+    }
+    if (lane == 0) {
+      s_info[0] = eok ? expert : -1;
+      s_info[1] = eok ? min(__popc(mask), D.max_rows) : 0;
+      s_info[2] = s_info[3] = 0;
+    }
+  } else if (L.mode == RowMode::kGrouped) {
+    // Offsets clamped monotone into [0, R]; each expert's rows in items of 16, experts in
+    // order (the generic kernel's enumeration with 16-row tiles).
+    const int R = static_cast<int>(L.R);
+    int found_e = -1, found_lo = 0, found_hi = 0, found_tile = 0;
+    int done = 0, tbase = 0;
+    for (int e0 = 0; e0 < L.E; e0 += 32) {
+      const int e = e0 + lane;
+      int v = e < L.E ? L.offsets[e + 1] : INT_MIN;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v = max(v, y);
+      }
+      const int hi = min(R, max(v, done));
+      int lo = __shfl_up_sync(0xffffffffu, hi, 1);
+      if (lane == 0) lo = done;
+      const int tiles = e < L.E ? (hi - lo + D.item_rows - 1) / D.item_rows : 0;
+      int incl = tiles;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const int excl = incl - tiles;
+      const bool mine = item < D.gemm_items && e < L.E && item >= tbase + excl && item < tbase + incl;
+      const unsigned m = __ballot_sync(0xffffffffu, mine);
+      if (m) {
+        const int src = __ffs(m) - 1;
+        found_e = __shfl_sync(0xffffffffu, e, src);
+        found_lo = __shfl_sync(0xffffffffu, lo, src);
+        found_hi = __shfl_sync(0xffffffffu, hi, src);
+        found_tile = __shfl_sync(0xffffffffu, item - tbase - excl, src);
+      }
+      done = __shfl_sync(0xffffffffu, hi, 31);
+      tbase += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    int nvalid = 0;
+    int64_t zl = 0, zh = 0;
+    if (item < D.gemm_items) {
+      if (found_e >= 0) {
+        const int first = found_lo + found_tile * D.item_rows;
+        nvalid = min(D.item_rows, found_hi - first);
+        if (lane < nvalid) {
+          s_arow[lane] = first + lane;
+          s_crow[lane] = first + lane;
+        }
+      }
+    } else {
+      // Rows past the last expert's are written as zeros.
+      zl = done + static_cast<int64_t>(item - D.gemm_items) * D.item_rows;
+      zh = min(static_cast<int64_t>(R), zl + D.item_rows);
+    }
+    if (lane == 0) {
+      s_info[0] = found_e;
+      s_info[1] = nvalid;
+      s_info[2] = static_cast<int>(zl);
+      s_info[3] = static_cast<int>(zh);
+    }
+  } else {
+    const int expert = item;  // T <= kItemRows (host-checked): one item per expert
+    const int64_t t0 = 0;
+    int64_t cnt = L.counts[expert];
+    cnt = cnt < 0 ? 0 : (cnt > L.T ? L.T : cnt);
+    const int64_t t_end = min(L.T, t0 + kItemRows);
+    const int64_t hi_valid = cnt < t_end ? cnt : t_end;
+    const int nvalid = hi_valid > t0 ? static_cast<int>(hi_valid - t0) : 0;
+    if (lane < nvalid) {
+      s_arow[lane] = static_cast<int32_t>(expert * L.T + t0 + lane);
+      s_crow[lane] = s_arow[lane];
+    }
+    if (lane == 0) {
+      s_info[0] = expert;
+      s_info[1] = nvalid;
+      // Rows past the count are written as zeros.
+      s_info[2] = static_cast<int>(expert * L.T + max(cnt, t0));
+      s_info[3] = static_cast<int>(expert * L.T + t_end);
+    }
+  }
+}
+
+// Indexed layout: the rows its blocks hold (blocks are used in order), clamped to the padded rows.
+__device__ __forceinline__ int64_t indexed_used_rows(const GemmLaunch& L) {
+  const int64_t used = *L.ntpp;
+  return used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
+}
+
 template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP, bool WG>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -1242,6 +1360,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   __trap();  // sm_90 only: the host dispatches this kernel on compute capability 9.x
 #endif
 }
+
+// The fp8 x fp8 persistent ring kernel (gemm_decode_sm90_fp8_ring.cu): whether it takes a planned
+// launch (fp8 codes on both sides, scale groups of whole 128 k or spanning K), and its launch
+// (false: not launched, the caller keeps the planned kernel).
+bool fp8_ring_applies(const DecodeLaunch& D);
+bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream);
 
 // Per weight family (gemm_decode_sm90_<family>.cu): launches the kernel variant for the
 // activation kind and dequantization mode; false when the family has no such variant.

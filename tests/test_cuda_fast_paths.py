@@ -700,8 +700,11 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
 
 
 _DECODE_WG_LAUNCHES = _ffi.launch_counter("HjDecodeWgmmaLaunches") if GPU is not None else None
+_DECODE_RING_LAUNCHES = _ffi.launch_counter("HjDecodeRingLaunches") if GPU is not None else None
 
-# fp8 x fp8 on wgmma (opt-in, HUMMING_JAX_DECODE_WGMMA=1, or 2 without the proxy fence): the planner
+# fp8 x fp8 on the persistent ring kernel (opt-in, HUMMING_JAX_DECODE_RING=1: TMA weights, wgmma,
+# 128-k stages, so K = 80 is one partial stage), or on the decode kernel's wgmma variant (opt-in,
+# HUMMING_JAX_DECODE_WGMMA=1, or 2 without the proxy fence): the planner
 # takes it at K splits of 1 or 2 (HUMMING_JAX_DECODE_WK), with the activations whole over K or per
 # stage (HUMMING_JAX_DECODE_WHOLE_ACT=0); unset keeps the mma.sync variant. Shapes: 1 row per item
 # (B of 8 tokens), up to 16 (B of 16), and K = 80 (a partial last chunk column, per-channel weight
@@ -710,7 +713,8 @@ _WG_ON = {"HUMMING_JAX_DECODE_WGMMA": "1"}
 _WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK": "1"},
            "wk2": {**_WG_ON, "HUMMING_JAX_DECODE_WK": "2"},
            "staged": {**_WG_ON, "HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
-           "nofence": {"HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"}}
+           "nofence": {"HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"},
+           "ring": {"HUMMING_JAX_DECODE_RING": "1"}}
 
 
 @requires_decode
@@ -719,7 +723,7 @@ _WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK
                                                  ("w8a8-fp8-block128", 16, 4, 8, 200, 384),
                                                  ("w8a8-fp8-tensor", 6, 2, 6, 131, 512),
                                                  ("w8a8-fp8-channel", 5, 2, 6, 67, 80)])
-def test_decode_fp8_wgmma_variant_matches_cpu(rng, monkeypatch, variant, scheme, m, k, e, n, kdim):
+def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, e, n, kdim):
     for name, value in _WG_ENV[variant].items():
         monkeypatch.setenv(name, value)
     dtype = SCHEMES[scheme].default_dtype
@@ -730,9 +734,10 @@ def test_decode_fp8_wgmma_variant_matches_cpu(rng, monkeypatch, variant, scheme,
         w = _decode_weights(rng, scheme, dtype, e, n, kdim)
         quant = act_quant_params(SCHEMES[scheme].act_key)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    with _LaunchCount(_DECODE_WG_LAUNCHES) as wg:
+    with _LaunchCount(_DECODE_WG_LAUNCHES) as wg, _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
         _decode_forms_match_cpu(rng, w, bias, dtype, quant, m, k, 9, f"{scheme} {variant} M={m} K={kdim}")
-    if variant == "default":
+    assert ring.count == (5 if variant == "ring" else 0), f"{variant}: {ring.count} launches of the ring kernel"
+    if variant in ("default", "ring"):
         assert wg.count == 0, "the mma.sync variant is the default"
     elif variant != "on":  # "on" keeps the planner's split, which may exceed 2
         assert wg.count == 5, f"expected the five GEMM calls on the wgmma variant, got {wg.count}"

@@ -1,0 +1,349 @@
+// The decode GEMM for fp8 weights x fp8 activations as a persistent, warp-specialized ring
+// (opt-in: HUMMING_JAX_DECODE_RING=1; gemm_decode_sm90.cu decides). Why (benchmarks/NOTES.md,
+// v11l): at decode sizes the fp8 GEMM is a pass over the touched weights, and the mma.sync kernel
+// (gemm_decode_sm90.cuh) loses time at every work unit's start and end: each CTA fills its
+// cp.async ring, streams 6-16 stages, drains it and reduces, ~1000 such CTAs per launch. Here:
+//  * One CTA per SM, looping over work units (item x 256-row slice of N) in a fixed round robin
+//    (all units stream the same bytes, so the split is even); the ring of kRingStages stages runs
+//    across units, so the next unit's first stages load while this one finishes.
+//  * A producer warp: per stage one TMA box of 256 weight rows x 128 k (32 KB, 128-byte swizzle,
+//    zeros past K and past the expert's N rows) and the item's token rows of the same 128 k by
+//    cp.async (rows gathered through the routing, zeros past the valid rows); both complete one
+//    mbarrier. The producer also resolves each unit's rows (find_item) one unit ahead, into one of
+//    two info slots.
+//  * Two consumer warpgroups, 128 weight rows each: per stage 2 x 4 wgmma m64n{8,16}k32 on e4m3
+//    codes from shared memory into a per-stage partial sum, then acc += part * a_scale * w_scale
+//    (a stage is one 128-k scale block: the host requires scale groups of whole 128 k or spanning
+//    K), the contract's per-block accumulation. The epilogue stores each valid row from registers.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "gemm_decode_sm90.cuh"
+
+namespace hj {
+namespace decode {
+namespace {
+
+constexpr int kRingThreads = 384;                 // producer warpgroup (one working warp) + 2 consumer groups
+constexpr int kRingRows = 256;                    // weight rows per work unit
+constexpr int kRingK = 128;                       // k (= bytes) per stage
+constexpr int kRingStages = 5;
+constexpr int kRingWBytes = kRingRows * kRingK;   // 32 KB of weights per stage
+constexpr int kRingABytes = kItemRows * kRingK;   // 2 KB of activations per stage (up to 16 rows)
+constexpr int kRingSmem = kRingStages * (kRingWBytes + kRingABytes) + 1024;  // + alignment slack
+constexpr int kFullArrivals = 1 + 32;             // the TMA's expect-tx arrive + the producer lanes' cp.async
+
+struct RingLaunch {
+  CUtensorMap w;  // weights [E][N][K] bytes; box (kRingK, kRingRows, 1), 128-byte swizzle
+  DecodeLaunch D;
+  int units;      // items x slices
+  int slices;     // ceil(N / kRingRows)
+  int iters;      // ceil(K / kRingK)
+  int groups;     // 8-row token groups of the MMA's B operand (1 or 2)
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t a, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t a) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t a, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(a), "r"(bytes)
+               : "memory");
+}
+// Waits for the completion of the phase of parity `parity` (a fresh barrier counts parity 1 as done).
+__device__ __forceinline__ void mbar_wait(uint32_t a, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(a),
+      "r"(parity)
+      : "memory");
+}
+// One arrival once this thread's earlier cp.async copies have landed (counted in the init count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t a) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Matrix descriptor of a K-major operand with 128-byte swizzle: 8-row atoms of 8 x 128 bytes, 1024
+// bytes apart (the stride field); the leading-offset field is unused (an MMA's 32 k lie in a row).
+__device__ __forceinline__ uint64_t desc128(uint32_t addr) {
+  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | ((addr >> 4) & 0x3fffu) | (1u << 16);
+}
+
+// The consumers' work on one unit: the stages of `expert` over the group's 128 rows from n0g, then
+// the stores. `stage` is the ring position, advanced by the unit's stages.
+template <int G>
+__device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uint32_t aring, uint32_t bar_full,
+                                        uint32_t bar_empty, int expert, int nvalid, const int32_t* arow,
+                                        const int32_t* crow, int64_t n0g, int cg, int wq, int lane, uint32_t& stage) {
+  const DecodeLaunch& D = R.D;
+  const GemmLaunch& L = D.g;
+  const WeightView& w = L.p.w;
+  const int g = lane >> 2, t = lane & 3;
+  const int N = D.N, K = D.K;
+  // This thread's rows: tile i (64 rows), half h; and its token columns 8 j + 2 t + e.
+  int64_t nrow[2][2];
+  uint32_t srow[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      nrow[i][h] = n0g + 64 * i + 16 * wq + 8 * h + g;
+      const uint32_t n = static_cast<uint32_t>(min(nrow[i][h], static_cast<int64_t>(N) - 1));
+      srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(n)) * L.scale_cols;
+    }
+  int64_t abase[G][2];  // scale-row offsets of the token columns (clamped to a valid row)
+#pragma unroll
+  for (int j = 0; j < G; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) abase[j][e] = static_cast<int64_t>(arow[min(8 * j + 2 * t + e, nvalid - 1)]) * L.a_scale_cols;
+  const float s2 = w.scale2 ? w.scale2[expert] : 1.0f;
+
+  float acc[2][4 * G], part[2][4 * G];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int r = 0; r < 4 * G; ++r) acc[i][r] = part[i][r] = 0.0f;
+
+  for (int ks = 0; ks < R.iters; ++ks, ++stage) {
+    const uint32_t s = stage % kRingStages, ph = (stage / kRingStages) & 1u;
+    // This stage's scales (one 128-k block), loaded before the wait.
+    const uint32_t k0 = static_cast<uint32_t>(min(ks * kRingK, K - 1));
+    const uint32_t wk = D.div_gk.div(k0), ak = D.div_agk.div(k0);
+    float ws[2][2], as[G][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ws[i][h] = scale_to_float(w.scale_type, load_scale_raw<0>(w.scale_type, w.scale, srow[i][h] + wk)) * s2;
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) as[j][e] = __ldg(L.p.a.scale + abase[j][e] + ak);
+
+    mbar_wait(bar_full + 8 * s, ph);
+    const uint32_t wst = wring + s * kRingWBytes + cg * 128 * kRingK, ast = aring + s * kRingABytes;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int r = 0; r < 4 * G; ++r) keep_reg(part[i][r]);
+    wg_fence();
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int kk = 0; kk < kRingK / 32; ++kk)
+        WgMma<G>::run(part[i], desc128(wst + i * 64 * kRingK + kk * 32), desc128(ast + kk * 32), kk);
+    wg_commit();
+    wg_wait0();
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int r = 0; r < 4 * G; ++r) keep_reg(part[i][r]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_empty + 8 * s);  // this warp is done with the stage
+    // part[i][4 j + 2 h + e]: row nrow[i][h], token 8 j + 2 t + e.
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) acc[i][4 * j + 2 * h + e] += part[i][4 * j + 2 * h + e] * as[j][e] * ws[i][h];
+  }
+
+  const bool c_f16 = L.p.c_type == ElemType::kF16;
+  uint16_t* cout = static_cast<uint16_t*>(L.p.c);
+  const float* bias = w.bias;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = nrow[i][h];
+      if (n >= N) continue;
+      const float b = bias ? bias[static_cast<int64_t>(expert) * N + n] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = 8 * j + 2 * t + e;
+          if (tok >= nvalid) continue;
+          const float v = acc[i][4 * j + 2 * h + e] + b;
+          cout[static_cast<int64_t>(crow[tok]) * N + n] =
+              c_f16 ? __half_as_ushort(__float2half_rn(v)) : __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_constant__ RingLaunch R) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t ring_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * kRingStages + 4];  // full[S], empty[S], info_full[2], info_empty[2]
+  __shared__ int s_info[2][4];
+  __shared__ int32_t s_arow[2][kItemRows], s_crow[2][kItemRows];
+  const DecodeLaunch& D = R.D;
+  const GemmLaunch& L = D.g;
+  const uint32_t base = (smem_addr(ring_raw) + 1023u) & ~1023u;  // TMA's 128-byte swizzle: 1024-byte atoms
+  const uint32_t wring = base, aring = base + kRingStages * kRingWBytes;
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kRingStages]);
+  const uint32_t bar_info_full = smem_addr(&bars[2 * kRingStages]), bar_info_empty = smem_addr(&bars[2 * kRingStages + 2]);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < kRingStages; ++s) {
+      mbar_init(bar_full + 8 * s, kFullArrivals);
+      mbar_init(bar_empty + 8 * s, 8);  // the consumer warps
+    }
+    for (int q = 0; q < 2; ++q) {
+      mbar_init(bar_info_full + 8 * q, 32);  // the producer lanes
+      mbar_init(bar_info_empty + 8 * q, 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  int units = R.units;
+  if (L.mode == RowMode::kIndexed)  // units of the used blocks only (blocks are used in order)
+    units = static_cast<int>(min(static_cast<int64_t>(units),
+                                 (indexed_used_rows(L) + L.block_m - 1) / L.block_m * R.slices));
+
+  if (warp == 0) {  // producer
+    const uint8_t* a = static_cast<const uint8_t*>(L.p.a.data);
+    uint32_t stage = 0;
+    for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
+      const int q = k & 1;
+      const int item = u / R.slices, slice = u - item * R.slices;
+      mbar_wait(bar_info_empty + 8 * q, ((k >> 1) & 1) ^ 1);
+      find_item(D, item, lane, s_arow[q], s_crow[q], s_info[q]);
+      __syncwarp();
+      const int expert = s_info[q][0], nvalid = s_info[q][1];
+      mbar_arrive(bar_info_full + 8 * q);
+      if (expert < 0 || nvalid <= 0) continue;
+      int64_t arow_bytes[kItemRows * 8 / 32];  // this lane's copies: rows r = c >> 3, c = lane + 32 m
+#pragma unroll
+      for (int m = 0; m < kItemRows * 8 / 32; ++m) {
+        const int r = (lane + 32 * m) >> 3;
+        arow_bytes[m] = r < nvalid ? static_cast<int64_t>(s_arow[q][r]) * D.K : -1;
+      }
+      for (int ks = 0; ks < R.iters; ++ks, ++stage) {
+        const uint32_t s = stage % kRingStages, ph = (stage / kRingStages) & 1u;
+        mbar_wait(bar_empty + 8 * s, ph ^ 1u);
+        if (lane == 0) {
+          mbar_arrive_expect_tx(bar_full + 8 * s, kRingWBytes);
+          tma_load_3d(wring + s * kRingWBytes, &R.w, ks * kRingK, slice * kRingRows, expert, bar_full + 8 * s);
+        }
+#pragma unroll
+        for (int m = 0; m < kItemRows * 8 / 32; ++m) {
+          const int c = lane + 32 * m, r = c >> 3, j = c & 7;
+          if (r >= 8 * R.groups) break;
+          const int64_t kb = static_cast<int64_t>(ks) * kRingK + j * 16;
+          const bool ok = arow_bytes[m] >= 0 && kb < D.K;
+          cp_async16(aring + s * kRingABytes + r * 128 + ((j ^ (r & 7)) << 4), ok ? a + arow_bytes[m] + kb : a,
+                     ok ? 16 : 0);
+        }
+        cp_async_mbar_arrive(bar_full + 8 * s);
+      }
+    }
+    cp_async_wait<0>();
+  } else if (warp >= 4) {  // consumers
+    const int cw = warp - 4, cg = cw >> 2, wq = cw & 3;
+    uint32_t stage = 0;
+    for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
+      const int q = k & 1;
+      const int item = u / R.slices, slice = u - item * R.slices;
+      (void)item;
+      mbar_wait(bar_info_full + 8 * q, (k >> 1) & 1);
+      const int expert = s_info[q][0], nvalid = s_info[q][1];
+      const int64_t zlo = s_info[q][2], zhi = s_info[q][3];
+      const int64_t n0 = static_cast<int64_t>(slice) * kRingRows;
+      if (expert >= 0 && nvalid > 0) {
+        if (R.groups == 1)
+          consume<1>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 128 * cg, cg, wq,
+                     lane, stage);
+        else
+          consume<2>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 128 * cg, cg, wq,
+                     lane, stage);
+      }
+      // Rows [zlo, zhi) of the slice are zeros (grouped rows past the last expert, batched rows past a count).
+      if (zhi > zlo) {
+        uint16_t* cout = static_cast<uint16_t*>(L.p.c);
+        const int64_t N = D.N, cols = min(N, n0 + kRingRows) - n0;
+        for (int64_t idx = tid - 128; idx < (zhi - zlo) * cols; idx += kRingThreads - 128)
+          cout[(zlo + idx / cols) * N + n0 + idx % cols] = 0;
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_info_empty + 8 * q);
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static std::once_flag once;
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    else
+      cudaGetLastError();
+  });
+  return fn;
+}
+
+}  // namespace
+
+bool fp8_ring_applies(const DecodeLaunch& D) {
+  const GemmProblem& p = D.g.p;
+  auto covers = [&](int64_t group) { return group >= D.K || (group > 0 && group % kRingK == 0); };
+  return p.w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.a.scale != nullptr &&
+         covers(p.w.group_k) && covers(p.a.group_k) && D.max_rows <= kItemRows && D.K % 16 == 0 &&
+         tensor_map_encoder() != nullptr;
+}
+
+bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
+  static unsigned configured = 0;  // bit d: device d configured
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const unsigned bit = dev < 32 ? (1u << dev) : 0u;
+  if (!(configured & bit) || !bit) {
+    if (cudaFuncSetAttribute(fp8_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingSmem) != cudaSuccess)
+      return false;
+    configured |= bit;
+  }
+  RingLaunch R{};
+  R.D = D;
+  R.slices = (D.N + kRingRows - 1) / kRingRows;
+  R.iters = (D.K + kRingK - 1) / kRingK;
+  R.groups = (D.max_rows + 7) / 8;
+  const int64_t units = static_cast<int64_t>(D.items) * R.slices;
+  if (units <= 0 || units > INT32_MAX) return false;
+  R.units = static_cast<int>(units);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(D.K), static_cast<cuuint64_t>(D.N),
+                              static_cast<cuuint64_t>(D.g.E)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(D.K), static_cast<cuuint64_t>(D.K) * D.N};
+  const cuuint32_t box[3] = {kRingK, kRingRows, 1}, estrides[3] = {1, 1, 1};
+  if (tensor_map_encoder()(&R.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(D.g.p.w.data), dims, strides,
+                           box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return false;
+  const int grid = static_cast<int>(std::min<int64_t>(units, std::max(sms, 1)));
+  fp8_ring_kernel<<<grid, kRingThreads, kRingSmem, stream>>>(R);
+  return true;
+}
+
+}  // namespace decode
+}  // namespace hj

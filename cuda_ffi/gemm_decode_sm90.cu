@@ -252,6 +252,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     const int c = std::atoi(v);
     if ((c == 1 || c == 2 || c == 4 || c == 8) && (c == 1 || c <= D.nc) && smem_for(c) <= kMaxDynamicSmem) wk = c;
   }
+  D.est_items = static_cast<int>(std::min<int64_t>(est, INT32_MAX));
   D.wk = wk;
   D.wn = kWarps / wk;
   D.bn = D.wn * kRowsPerWarp;
@@ -351,8 +352,15 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   Plan pl;
   if (!plan(L, sms, &pl)) return Error::Success();
   const DecodeLaunch& D = pl.D;
-  // HUMMING_JAX_DECODE_RING=1: fp8 x fp8 calls on the persistent ring kernel (opt-in until timed).
-  if (pl.dq == Deq::kCodes && env_flag("HUMMING_JAX_DECODE_RING", false) && fp8_ring_applies(D)) {
+  // fp8 x fp8 calls on the persistent ring kernel, opt-in until its default is checked:
+  // HUMMING_JAX_DECODE_RING=1 wherever it applies; =auto where the expected work units (items with
+  // rows x 256-row slices) fill the SMs, as one CTA per SM otherwise leaves SMs idle (benchmarks/
+  // NOTES.md, v11l: mixtral M = 1 GEMM2, 32 units, 1.8x slower; 128+ units 1.0-1.13x faster).
+  const char* ring_env = std::getenv("HUMMING_JAX_DECODE_RING");
+  const std::string ring_mode = ring_env ? ring_env : "";
+  const bool ring = pl.dq == Deq::kCodes && (ring_mode == "1" || ring_mode == "auto") && fp8_ring_applies(D) &&
+                    (ring_mode == "1" || fp8_ring_units(D, D.est_items) >= sms);
+  if (ring) {
     if (launch_fp8_ring(D, sms, stream)) {
       *launched = true;
       g_launches.fetch_add(1, std::memory_order_relaxed);

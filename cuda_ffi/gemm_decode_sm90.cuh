@@ -99,6 +99,7 @@ struct DecodeLaunch {
   int pre_permute;          // 1: whole-mode items of 4-bit packed variants pre-permute them (kPrePermute)
   int wg_groups;            // wgmma variant (fp8 x fp8): 8-token groups of its B operand (1 or 2); 0: mma.sync
   int wg_fence;             // ... 1: the async-proxy fence before each stage's barrier; 0: none (measurement)
+  int est_items;            // work items expected to have rows (the planner's estimate, from shapes)
   int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E, as T <= 16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
   int nslot;                // kF32: weight scales per lane chunk (1, or 2 for groups of half a chunk)
@@ -1365,6 +1366,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
 // launch (fp8 codes on both sides, scale groups of whole 128 k or spanning K), and its launch
 // (false: not launched, the caller keeps the planned kernel).
 bool fp8_ring_applies(const DecodeLaunch& D);
+int fp8_ring_units(const DecodeLaunch& D, int64_t items);  // work units of `items` items
 bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream);
 
 // Per weight family (gemm_decode_sm90_<family>.cu): launches the kernel variant for the

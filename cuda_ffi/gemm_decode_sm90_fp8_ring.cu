@@ -1,5 +1,5 @@
 // The decode GEMM for fp8 weights x fp8 activations as a persistent, warp-specialized ring
-// (opt-in: HUMMING_JAX_DECODE_RING=1; gemm_decode_sm90.cu decides). Why (benchmarks/NOTES.md,
+// (opt-in: HUMMING_JAX_DECODE_RING=1 or auto; gemm_decode_sm90.cu decides). Why (benchmarks/NOTES.md,
 // v11l): at decode sizes the fp8 GEMM is a pass over the touched weights, and the mma.sync kernel
 // (gemm_decode_sm90.cuh) loses time at every work unit's start and end: each CTA fills its
 // cp.async ring, streams 6-16 stages, drains it and reduces, ~1000 such CTAs per launch. Here:
@@ -312,6 +312,10 @@ bool fp8_ring_applies(const DecodeLaunch& D) {
   return p.w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.a.scale != nullptr &&
          covers(p.w.group_k) && covers(p.a.group_k) && D.max_rows <= kItemRows && D.K % 16 == 0 &&
          tensor_map_encoder() != nullptr;
+}
+
+int fp8_ring_units(const DecodeLaunch& D, int64_t items) {
+  return static_cast<int>(std::min<int64_t>(items * ((D.N + kRingRows - 1) / kRingRows), INT32_MAX));
 }
 
 bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {

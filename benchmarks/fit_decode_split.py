@@ -77,10 +77,18 @@ def by_time(fixed_bytes: int = 32 << 10, pair_tenths: int = 6):
     return rule
 
 
+# The decode-sized GEMM kernels, by the names a trace gives their launches.
+GEMM_KERNELS = ("decode_kernel", "fp8_ring_kernel")
+
+
+def is_gemm_launch(name: str) -> bool:
+    return any(k in name for k in GEMM_KERNELS)
+
+
 def per_gemm_times(sequence: list[list]) -> tuple[list[float], list[float]]:
-    """GEMM1 and GEMM2 µs of one call's launches: a decode launch followed by another kernel
+    """GEMM1 and GEMM2 µs of one call's launches: a GEMM launch followed by another kernel
     (the activation) is a GEMM1, the rest GEMM2s (input sets may interleave)."""
-    dec = ["decode_kernel" in name for name, _ in sequence]
+    dec = [is_gemm_launch(name) for name, _ in sequence]
     g1, g2 = [], []
     for i, (is_dec, (_, us)) in enumerate(zip(dec, sequence)):
         if is_dec:

@@ -285,8 +285,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   // (what the 4-bit prefill mainloop does), for timing only.
   D.wg_groups = 0;
   D.wg_fence = 1;
-  const char* wg_env = std::getenv("HUMMING_JAX_DECODE_WGMMA");
-  const int wg_mode = wg_env && *wg_env ? std::atoi(wg_env) : 0;
+  const int64_t wg_mode = env_count("HUMMING_JAX_DECODE_WGMMA", 0, 0);
   if (w.type == WeightType::kFp8E4M3 && ak == ActKind::kFp8 && dq == Deq::kCodes && wk <= 2 &&
       (wg_mode == 1 || wg_mode == 2)) {
     D.wg_fence = wg_mode == 1 ? 1 : 0;
@@ -360,20 +359,11 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   const std::string ring_mode = ring_env ? ring_env : "";
   const bool ring = pl.dq == Deq::kCodes && (ring_mode == "1" || ring_mode == "auto") && fp8_ring_applies(D) &&
                     (ring_mode == "1" || fp8_ring_units(D, D.est_items) >= sms);
-  if (ring) {
-    if (launch_fp8_ring(D, sms, stream)) {
-      *launched = true;
-      g_launches.fetch_add(1, std::memory_order_relaxed);
-      g_ring_launches.fetch_add(1, std::memory_order_relaxed);
-      if (env_flag("HUMMING_JAX_DECODE_LOG", false))
-        std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (items=%d rows<=%d)\n",
-                     mode_name(L.mode), D.N, D.K, D.items, D.max_rows);
-      return launch_status(call, "fp8_ring_kernel");
-    }
+  const bool on_ring = ring && launch_fp8_ring(D, sms, stream);
+  if (ring && !on_ring)
     decline(L, "fp8 ring kernel: set-up failed (tensor map or shared-memory limit); planned kernel instead");
-  }
-  bool ok = false;
-  switch (L.p.w.type) {
+  bool ok = on_ring;
+  if (!ok) switch (L.p.w.type) {
     case WeightType::kFloat: ok = launch_family<WeightType::kFloat>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
     case WeightType::kUInt4: ok = launch_family<WeightType::kUInt4>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
     case WeightType::kInt8: ok = launch_family<WeightType::kInt8>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
@@ -386,14 +376,21 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   }
   *launched = true;
   g_launches.fetch_add(1, std::memory_order_relaxed);
-  if (D.wg_groups) g_wg_launches.fetch_add(1, std::memory_order_relaxed);
-  if (env_flag("HUMMING_JAX_DECODE_LOG", false))
+  if (on_ring)
+    g_ring_launches.fetch_add(1, std::memory_order_relaxed);
+  else if (D.wg_groups)
+    g_wg_launches.fetch_add(1, std::memory_order_relaxed);
+  const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
+  if (log && on_ring)
+    std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (items=%d rows<=%d)\n",
+                 mode_name(L.mode), D.N, D.K, D.items, D.max_rows);
+  else if (log)
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s%s, wk=%d bn=%d grid=%ux%u "
                  "items=%d rows<=%d whole<=%d smem=%zu)\n",
                  mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wg_groups ? "+wgmma" : "",
                  D.wk, D.bn, pl.grid.x, pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
-  return launch_status(call, "decode_kernel");
+  return launch_status(call, on_ring ? "fp8_ring_kernel" : "decode_kernel");
 }
 
 }  // namespace decode

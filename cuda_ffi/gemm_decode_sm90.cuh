@@ -1385,21 +1385,29 @@ bool launch_family<WeightType::kFp8E4M3>(const DecodeLaunch&, ActKind, Deq, bool
 template <>
 bool launch_family<WeightType::kFp4E2M1>(const DecodeLaunch&, ActKind, Deq, bool, dim3, size_t, cudaStream_t);
 
-// Raises the kernel's dynamic shared-memory limit once per device (a launch above 48 KB needs it).
-template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true, bool WG = false>
-bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP, WG>;
-  static unsigned configured = 0;  // bit d: device d configured (a benign race: the calls are idempotent)
+// Raises `kernel`'s dynamic shared-memory limit to `bytes` (and, with max_carveout, prefers the
+// largest shared-memory carveout) once per device: a launch above 48 KB needs it, and it is a
+// per-context attribute. `configured`: the caller's static record, bit d for device d (a benign
+// race: the calls are idempotent). False when it fails, the error left in cudaGetLastError.
+template <typename Kernel>
+bool raise_smem_limit_once(Kernel kernel, int bytes, bool max_carveout, unsigned& configured) {
   int dev = 0;
   cudaGetDevice(&dev);
   const unsigned bit = dev < 32 ? (1u << dev) : 0u;
-  if (!(configured & bit) || !bit) {
-    // A failure stays in cudaGetLastError, which the caller's launch check reports; no launch then.
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDynamicSmem) != cudaSuccess)
-      return true;
+  if ((configured & bit) && bit) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return false;
+  if (max_carveout)
     cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    configured |= bit;
-  }
+  configured |= bit;
+  return true;
+}
+
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true, bool WG = false>
+bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
+  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP, WG>;
+  static unsigned configured = 0;
+  // A failure stays in cudaGetLastError, which the caller's launch check reports; no launch then.
+  if (!raise_smem_limit_once(kernel, kMaxDynamicSmem, true, configured)) return true;
   kernel<<<grid, kThreads, smem, stream>>>(D);
   return true;
 }

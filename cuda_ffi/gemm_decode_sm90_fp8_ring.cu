@@ -319,14 +319,10 @@ int fp8_ring_units(const DecodeLaunch& D, int64_t items) {
 }
 
 bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
-  static unsigned configured = 0;  // bit d: device d configured
-  int dev = 0;
-  cudaGetDevice(&dev);
-  const unsigned bit = dev < 32 ? (1u << dev) : 0u;
-  if (!(configured & bit) || !bit) {
-    if (cudaFuncSetAttribute(fp8_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingSmem) != cudaSuccess)
-      return false;
-    configured |= bit;
+  static unsigned configured = 0;
+  if (!raise_smem_limit_once(fp8_ring_kernel, kRingSmem, false, configured)) {
+    cudaGetLastError();  // not launched: the caller launches the planned kernel, whose check must not see this
+    return false;
   }
   RingLaunch R{};
   R.D = D;

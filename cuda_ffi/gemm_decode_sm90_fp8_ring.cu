@@ -380,8 +380,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
       if (lane == 0) mbar_arrive(bar_info_empty + 8 * q);
     }
   }
-  // No CTA leaves while another may still write into its shared memory or arrive on its barriers.
-  if (kparts > 1 && (warp == 0 || warp >= 4)) cluster_sync();
+  // No CTA leaves while another may still write into its shared memory or arrive on its barriers
+  // (every thread takes part, the idle warps too).
+  if (kparts > 1) cluster_sync();
 #else
   __trap();
 #endif

@@ -24,6 +24,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <mutex>
 
@@ -404,6 +405,23 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
+// Clusters of kparts CTAs that the device runs at once (cached per device and cluster size).
+int resident_clusters(cudaLaunchConfig_t cfg, int kparts) {
+  static int cache[32][kMaxKParts + 1] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 32) dev = 31;
+  int& n = cache[dev][kparts];
+  if (n == 0) {
+    cfg.gridDim = dim3(static_cast<unsigned>(kparts));
+    if (cudaOccupancyMaxActiveClusters(&n, fp8_ring_kernel, &cfg) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = INT32_MAX;  // unknown: no cap (a cluster that waits for a free GPC is slower, not wrong)
+    }
+  }
+  return n;
+}
+
 }  // namespace
 
 bool fp8_ring_applies(const DecodeLaunch& D) {
@@ -450,9 +468,7 @@ bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
     if ((f == 1 || f == 2 || f == 4) && R.iters >= f) kparts = f;
   }
   R.kparts = kparts;
-  const int64_t clusters = std::min<int64_t>(units, std::max(sms / kparts, 1));
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kparts));
   cfg.blockDim = dim3(kRingThreads);
   cfg.dynamicSmemBytes = kRingSmem + (kparts - 1) * kRedBytes;
   cfg.stream = stream;
@@ -463,6 +479,11 @@ bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   attr.val.clusterDim.z = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
+  // Each cluster owns a fixed share of the units, so one that waits for a free GPC doubles the time:
+  // at most as many clusters as are resident together (GPC sizes can make that below sms / kparts).
+  int64_t clusters = std::min<int64_t>(units, std::max(sms / kparts, 1));
+  if (kparts > 1) clusters = std::min<int64_t>(clusters, std::max(resident_clusters(cfg, kparts), 1));
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kparts));
   if (cudaLaunchKernelEx(&cfg, fp8_ring_kernel, R) == cudaSuccess) return true;
   cudaGetLastError();  // not launched: the caller launches the planned kernel, whose check must not see this
   return false;

@@ -715,7 +715,9 @@ _WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK
            "staged": {**_WG_ON, "HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
            "nofence": {"HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"},
            "ring": {"HUMMING_JAX_DECODE_RING": "1"},  # K split over 2-4 CTAs at these small shapes
-           "ring-k1": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "1"}}
+           "ring-k1": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "1"},
+           "ring-k2": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "2"},
+           "ring-k4": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "4"}}
 
 
 @requires_decode
@@ -723,7 +725,10 @@ _WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim", [("w8a8-fp8-block128", 1, 8, 128, 264, 256),
                                                  ("w8a8-fp8-block128", 16, 4, 8, 200, 384),
                                                  ("w8a8-fp8-tensor", 6, 2, 6, 131, 512),
-                                                 ("w8a8-fp8-channel", 5, 2, 6, 67, 80)])
+                                                 ("w8a8-fp8-channel", 5, 2, 6, 67, 80),
+                                                 # more units than clusters: each cluster's K split
+                                                 # reuses its partial-sum buffers
+                                                 ("w8a8-fp8-block128", 16, 8, 64, 2048, 512)])
 def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, e, n, kdim):
     for name, value in _WG_ENV[variant].items():
         monkeypatch.setenv(name, value)

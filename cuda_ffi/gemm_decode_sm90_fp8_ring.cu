@@ -15,17 +15,10 @@
 //    codes from shared memory into a per-stage partial sum, then acc += part * a_scale * w_scale
 //    (a stage is one 128-k scale block: the host requires scale groups of whole 128 k or spanning
 //    K), the contract's per-block accumulation. The epilogue stores each valid row from registers.
-//  * Fewer work units than SMs (M = 1-4): a cluster of kparts CTAs (2 or 4) takes each unit, each
-//    CTA a contiguous range of its stages; the other CTAs write their accumulators into the first
-//    one's shared memory, which adds them in rank order (deterministic) and stores. Barriers across
-//    the cluster: red_full in the first CTA (the others' consumer warps arrive remotely after their
-//    writes), red_empty in each other CTA (the first one's consumer warps arrive once it has read).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <climits>
-#include <cstdlib>
 #include <mutex>
 
 #include "gemm_decode_sm90.cuh"
@@ -42,10 +35,6 @@ constexpr int kRingWBytes = kRingRows * kRingK;   // 32 KB of weights per stage
 constexpr int kRingABytes = kItemRows * kRingK;   // 2 KB of activations per stage (up to 16 rows)
 constexpr int kRingSmem = kRingStages * (kRingWBytes + kRingABytes) + 1024;  // + alignment slack
 constexpr int kFullArrivals = 1 + 32;             // the TMA's expect-tx arrive + the producer lanes' cp.async
-constexpr int kMaxKParts = 4;                     // CTAs per cluster splitting a unit's K
-constexpr int kConsumers = 256;                   // consumer threads
-constexpr int kRedFloats = 16;                    // accumulators per consumer thread (2 tiles x 4 x 2 groups)
-constexpr int kRedBytes = kConsumers * kRedFloats * 4;  // one CTA's partial sums (16 KB)
 
 struct RingLaunch {
   CUtensorMap w;  // weights [E][N][K] bytes; box (kRingK, kRingRows, 1), 128-byte swizzle
@@ -54,7 +43,6 @@ struct RingLaunch {
   int slices;     // ceil(N / kRingRows)
   int iters;      // ceil(K / kRingK)
   int groups;     // 8-row token groups of the MMA's B operand (1 or 2)
-  int kparts;     // CTAs per cluster, each a range of a unit's stages (1: no split)
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t a, int count) {
@@ -86,45 +74,18 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Cluster-scope forms: waits that see other CTAs' released writes, the address of the same shared
-// variable in CTA `rank`, remote stores and arrivals, and the cluster-wide barrier.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t a, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(
-          a),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_addr(uint32_t a, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ void st_cluster_v4(uint32_t a, float x, float y, float z, float w) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t remote) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
 // Matrix descriptor of a K-major operand with 128-byte swizzle: 8-row atoms of 8 x 128 bytes, 1024
 // bytes apart (the stride field); the leading-offset field is unused (an MMA's 32 k lie in a row).
 __device__ __forceinline__ uint64_t desc128(uint32_t addr) {
   return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | ((addr >> 4) & 0x3fffu) | (1u << 16);
 }
 
-// The consumers' work on one unit: stages [ks_lo, ks_hi) of `expert` over the group's 128 rows from
-// n0g into acc[i][4 j + 2 h + e] (row n0g + 64 i + 16 wq + 8 h + g, token 8 j + 2 t + e). `stage`
-// is the ring position, advanced by the stages taken.
+// The consumers' work on one unit: the stages of `expert` over the group's 128 rows from n0g, then
+// the stores. `stage` is the ring position, advanced by the unit's stages.
 template <int G>
 __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uint32_t aring, uint32_t bar_full,
                                         uint32_t bar_empty, int expert, int nvalid, const int32_t* arow,
-                                        int64_t n0g, int cg, int wq, int lane, int ks_lo, int ks_hi, uint32_t& stage,
-                                        float (&acc)[2][8]) {
+                                        const int32_t* crow, int64_t n0g, int cg, int wq, int lane, uint32_t& stage) {
   const DecodeLaunch& D = R.D;
   const GemmLaunch& L = D.g;
   const WeightView& w = L.p.w;
@@ -148,17 +109,13 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
     for (int e = 0; e < 2; ++e) abase[j][e] = static_cast<int64_t>(arow[min(8 * j + 2 * t + e, nvalid - 1)]) * L.a_scale_cols;
   const float s2 = w.scale2 ? w.scale2[expert] : 1.0f;
 
-  float part[2][4 * G];
+  float acc[2][4 * G], part[2][4 * G];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int r = 0; r < 8; ++r) acc[i][r] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int r = 0; r < 4 * G; ++r) part[i][r] = 0.0f;
+    for (int r = 0; r < 4 * G; ++r) acc[i][r] = part[i][r] = 0.0f;
 
-  for (int ks = ks_lo; ks < ks_hi; ++ks, ++stage) {
+  for (int ks = 0; ks < R.iters; ++ks, ++stage) {
     const uint32_t s = stage % kRingStages, ph = (stage / kRingStages) & 1u;
     // This stage's scales (one 128-k block), loaded before the wait.
     const uint32_t k0 = static_cast<uint32_t>(min(ks * kRingK, K - 1));
@@ -203,24 +160,15 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
 #pragma unroll
           for (int e = 0; e < 2; ++e) acc[i][4 * j + 2 * h + e] += part[i][4 * j + 2 * h + e] * as[j][e] * ws[i][h];
   }
-}
 
-// Bias, rounding and the stores of a unit's valid rows from the accumulators (consume's layout).
-template <int G>
-__device__ __forceinline__ void store(const RingLaunch& R, int expert, int nvalid, const int32_t* crow, int64_t n0g,
-                                      int wq, int lane, const float (&acc)[2][8]) {
-  const DecodeLaunch& D = R.D;
-  const GemmLaunch& L = D.g;
-  const int g = lane >> 2, t = lane & 3;
-  const int N = D.N;
   const bool c_f16 = L.p.c_type == ElemType::kF16;
   uint16_t* cout = static_cast<uint16_t*>(L.p.c);
-  const float* bias = L.p.w.bias;
+  const float* bias = w.bias;
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t n = n0g + 64 * i + 16 * wq + 8 * h + g;
+      const int64_t n = nrow[i][h];
       if (n >= N) continue;
       const float b = bias ? bias[static_cast<int64_t>(expert) * N + n] : 0.0f;
 #pragma unroll
@@ -239,24 +187,16 @@ __device__ __forceinline__ void store(const RingLaunch& R, int expert, int nvali
 __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_constant__ RingLaunch R) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t ring_raw[];
-  // full[S], empty[S], info_full[2], info_empty[2], red_full, red_empty
-  __shared__ __align__(8) uint64_t bars[2 * kRingStages + 6];
+  __shared__ __align__(8) uint64_t bars[2 * kRingStages + 4];  // full[S], empty[S], info_full[2], info_empty[2]
   __shared__ int s_info[2][4];
   __shared__ int32_t s_arow[2][kItemRows], s_crow[2][kItemRows];
   const DecodeLaunch& D = R.D;
   const GemmLaunch& L = D.g;
   const uint32_t base = (smem_addr(ring_raw) + 1023u) & ~1023u;  // TMA's 128-byte swizzle: 1024-byte atoms
   const uint32_t wring = base, aring = base + kRingStages * kRingWBytes;
-  const uint32_t red = aring + kRingStages * kRingABytes;  // kparts - 1 partial-sum buffers (first CTA)
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kRingStages]);
   const uint32_t bar_info_full = smem_addr(&bars[2 * kRingStages]), bar_info_empty = smem_addr(&bars[2 * kRingStages + 2]);
-  const uint32_t bar_red_full = smem_addr(&bars[2 * kRingStages + 4]), bar_red_empty = smem_addr(&bars[2 * kRingStages + 5]);
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int kparts = R.kparts;
-  const int rank = static_cast<int>(blockIdx.x) % kparts;  // clusters of kparts consecutive CTAs
-  const int cid = static_cast<int>(blockIdx.x) / kparts, ncl = static_cast<int>(gridDim.x) / kparts;
-  // This CTA's stages of every unit: a contiguous share of the K loop.
-  const int ks_lo = R.iters * rank / kparts, ks_hi = R.iters * (rank + 1) / kparts;
   if (tid == 0) {
     for (int s = 0; s < kRingStages; ++s) {
       mbar_init(bar_full + 8 * s, kFullArrivals);
@@ -266,12 +206,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
       mbar_init(bar_info_full + 8 * q, 32);  // the producer lanes
       mbar_init(bar_info_empty + 8 * q, 8);
     }
-    mbar_init(bar_red_full, 8 * (kparts > 1 ? kparts - 1 : 1));  // the other CTAs' consumer warps
-    mbar_init(bar_red_empty, 8);                                  // the first CTA's consumer warps
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (kparts > 1) cluster_sync();  // every CTA's barriers exist before any remote arrival
 
   int units = R.units;
   if (L.mode == RowMode::kIndexed)  // units of the used blocks only (blocks are used in order)
@@ -281,7 +218,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
   if (warp == 0) {  // producer
     const uint8_t* a = static_cast<const uint8_t*>(L.p.a.data);
     uint32_t stage = 0;
-    for (int k = 0, u = cid; u < units; ++k, u += ncl) {
+    for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
       const int q = k & 1;
       const int item = u / R.slices, slice = u - item * R.slices;
       mbar_wait(bar_info_empty + 8 * q, ((k >> 1) & 1) ^ 1);
@@ -296,7 +233,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
         const int r = (lane + 32 * m) >> 3;
         arow_bytes[m] = r < nvalid ? static_cast<int64_t>(s_arow[q][r]) * D.K : -1;
       }
-      for (int ks = ks_lo; ks < ks_hi; ++ks, ++stage) {
+      for (int ks = 0; ks < R.iters; ++ks, ++stage) {
         const uint32_t s = stage % kRingStages, ph = (stage / kRingStages) & 1u;
         mbar_wait(bar_empty + 8 * s, ph ^ 1u);
         if (lane == 0) {
@@ -317,9 +254,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
     }
     cp_async_wait<0>();
   } else if (warp >= 4) {  // consumers
-    const int ct = tid - 128, cw = warp - 4, cg = cw >> 2, wq = cw & 3;
-    uint32_t stage = 0, reduced = 0;
-    for (int k = 0, u = cid; u < units; ++k, u += ncl) {
+    const int cw = warp - 4, cg = cw >> 2, wq = cw & 3;
+    uint32_t stage = 0;
+    for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
       const int q = k & 1;
       const int item = u / R.slices, slice = u - item * R.slices;
       (void)item;
@@ -328,62 +265,24 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
       const int64_t zlo = s_info[q][2], zhi = s_info[q][3];
       const int64_t n0 = static_cast<int64_t>(slice) * kRingRows;
       if (expert >= 0 && nvalid > 0) {
-        float acc[2][8];
         if (R.groups == 1)
-          consume<1>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], n0 + 128 * cg, cg, wq, lane,
-                     ks_lo, ks_hi, stage, acc);
+          consume<1>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 128 * cg, cg, wq,
+                     lane, stage);
         else
-          consume<2>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], n0 + 128 * cg, cg, wq, lane,
-                     ks_lo, ks_hi, stage, acc);
-        if (kparts > 1) {
-          const uint32_t ph = reduced & 1u;
-          ++reduced;
-          if (rank != 0) {  // this CTA's partial sums into the first CTA's buffer rank - 1
-            mbar_wait_cluster(bar_red_empty, ph ^ 1u);
-            const uint32_t dst = cluster_addr(red + (rank - 1) * kRedBytes + ct * kRedFloats * 4, 0);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-              for (int r = 0; r < 8; r += 4)
-                st_cluster_v4(dst + (i * 8 + r) * 4, acc[i][r], acc[i][r + 1], acc[i][r + 2], acc[i][r + 3]);
-            __syncwarp();
-            if (lane == 0) mbar_arrive_cluster(cluster_addr(bar_red_full, 0));
-          } else {  // add the other CTAs' sums in rank order, then free the buffers
-            mbar_wait_cluster(bar_red_full, ph);
-            for (int p = 1; p < kparts; ++p) {
-              const float* src = reinterpret_cast<const float*>(ring_raw + (red - smem_addr(ring_raw)) +
-                                                                (p - 1) * kRedBytes + ct * kRedFloats * 4);
-#pragma unroll
-              for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int r = 0; r < 8; ++r) acc[i][r] += src[i * 8 + r];
-            }
-            __syncwarp();
-            if (lane == 0)
-              for (int p = 1; p < kparts; ++p) mbar_arrive_cluster(cluster_addr(bar_red_empty, p));
-          }
-        }
-        if (rank == 0) {
-          if (R.groups == 1)
-            store<1>(R, expert, nvalid, s_crow[q], n0 + 128 * cg, wq, lane, acc);
-          else
-            store<2>(R, expert, nvalid, s_crow[q], n0 + 128 * cg, wq, lane, acc);
-        }
+          consume<2>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 128 * cg, cg, wq,
+                     lane, stage);
       }
       // Rows [zlo, zhi) of the slice are zeros (grouped rows past the last expert, batched rows past a count).
-      if (rank == 0 && zhi > zlo) {
+      if (zhi > zlo) {
         uint16_t* cout = static_cast<uint16_t*>(L.p.c);
         const int64_t N = D.N, cols = min(N, n0 + kRingRows) - n0;
-        for (int64_t idx = ct; idx < (zhi - zlo) * cols; idx += kConsumers)
+        for (int64_t idx = tid - 128; idx < (zhi - zlo) * cols; idx += kRingThreads - 128)
           cout[(zlo + idx / cols) * N + n0 + idx % cols] = 0;
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_info_empty + 8 * q);
     }
   }
-  // No CTA leaves while another may still write into its shared memory or arrive on its barriers
-  // (every thread takes part, the idle warps too).
-  if (kparts > 1) cluster_sync();
 #else
   __trap();
 #endif
@@ -405,23 +304,6 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Clusters of kparts CTAs that the device runs at once (cached per device and cluster size).
-int resident_clusters(cudaLaunchConfig_t cfg, int kparts) {
-  static int cache[32][kMaxKParts + 1] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 32) dev = 31;
-  int& n = cache[dev][kparts];
-  if (n == 0) {
-    cfg.gridDim = dim3(static_cast<unsigned>(kparts));
-    if (cudaOccupancyMaxActiveClusters(&n, fp8_ring_kernel, &cfg) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      n = INT32_MAX;  // unknown: no cap (a cluster that waits for a free GPC is slower, not wrong)
-    }
-  }
-  return n;
-}
-
 }  // namespace
 
 bool fp8_ring_applies(const DecodeLaunch& D) {
@@ -438,7 +320,7 @@ int fp8_ring_units(const DecodeLaunch& D, int64_t items) {
 
 bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   static unsigned configured = 0;
-  if (!raise_smem_limit_once(fp8_ring_kernel, kRingSmem + (kMaxKParts - 1) * kRedBytes, false, configured)) {
+  if (!raise_smem_limit_once(fp8_ring_kernel, kRingSmem, false, configured)) {
     cudaGetLastError();  // not launched: the caller launches the planned kernel, whose check must not see this
     return false;
   }
@@ -458,35 +340,9 @@ bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
                            box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
-  // Fewer expected units than SMs: clusters of kparts CTAs split each unit's stages (at least one
-  // stage each). HUMMING_JAX_RING_KPARTS=1|2|4 forces the split where the stages allow (A/B timing).
-  const int64_t est_units = fp8_ring_units(D, D.est_items);
-  int kparts = 1;
-  while (kparts < kMaxKParts && est_units * kparts * 2 <= sms && R.iters >= 2 * kparts) kparts *= 2;
-  if (const char* v = std::getenv("HUMMING_JAX_RING_KPARTS"); v && *v) {
-    const int f = std::atoi(v);
-    if ((f == 1 || f == 2 || f == 4) && R.iters >= f) kparts = f;
-  }
-  R.kparts = kparts;
-  cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kRingThreads);
-  cfg.dynamicSmemBytes = kRingSmem + (kparts - 1) * kRedBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(kparts);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  // Each cluster owns a fixed share of the units, so one that waits for a free GPC doubles the time:
-  // at most as many clusters as are resident together (GPC sizes can make that below sms / kparts).
-  int64_t clusters = std::min<int64_t>(units, std::max(sms / kparts, 1));
-  if (kparts > 1) clusters = std::min<int64_t>(clusters, std::max(resident_clusters(cfg, kparts), 1));
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kparts));
-  if (cudaLaunchKernelEx(&cfg, fp8_ring_kernel, R) == cudaSuccess) return true;
-  cudaGetLastError();  // not launched: the caller launches the planned kernel, whose check must not see this
-  return false;
+  const int grid = static_cast<int>(std::min<int64_t>(units, std::max(sms, 1)));
+  fp8_ring_kernel<<<grid, kRingThreads, kRingSmem, stream>>>(R);
+  return true;
 }
 
 }  // namespace decode

@@ -714,10 +714,7 @@ _WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK
            "wk2": {**_WG_ON, "HUMMING_JAX_DECODE_WK": "2"},
            "staged": {**_WG_ON, "HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
            "nofence": {"HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"},
-           "ring": {"HUMMING_JAX_DECODE_RING": "1"},  # K split over 2-4 CTAs at these small shapes
-           "ring-k1": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "1"},
-           "ring-k2": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "2"},
-           "ring-k4": {"HUMMING_JAX_DECODE_RING": "1", "HUMMING_JAX_RING_KPARTS": "4"}}
+           "ring": {"HUMMING_JAX_DECODE_RING": "1"}}
 
 
 @requires_decode
@@ -726,8 +723,7 @@ _WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK
                                                  ("w8a8-fp8-block128", 16, 4, 8, 200, 384),
                                                  ("w8a8-fp8-tensor", 6, 2, 6, 131, 512),
                                                  ("w8a8-fp8-channel", 5, 2, 6, 67, 80),
-                                                 # more units than clusters: each cluster's K split
-                                                 # reuses its partial-sum buffers
+                                                 # more work units than SMs: the ring cycles units
                                                  ("w8a8-fp8-block128", 16, 8, 64, 2048, 512)])
 def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, e, n, kdim):
     for name, value in _WG_ENV[variant].items():
@@ -742,9 +738,8 @@ def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, 
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
     with _LaunchCount(_DECODE_WG_LAUNCHES) as wg, _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
         _decode_forms_match_cpu(rng, w, bias, dtype, quant, m, k, 9, f"{scheme} {variant} M={m} K={kdim}")
-    ringed = variant.startswith("ring")
-    assert ring.count == (5 if ringed else 0), f"{variant}: {ring.count} launches of the ring kernel"
-    if variant == "default" or ringed:
+    assert ring.count == (5 if variant == "ring" else 0), f"{variant}: {ring.count} launches of the ring kernel"
+    if variant in ("default", "ring"):
         assert wg.count == 0, "the mma.sync variant is the default"
     elif variant != "on":  # "on" keeps the planner's split, which may exceed 2
         assert wg.count == 5, f"expected the five GEMM calls on the wgmma variant, got {wg.count}"

@@ -351,15 +351,16 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   Plan pl;
   if (!plan(L, sms, &pl)) return Error::Success();
   const DecodeLaunch& D = pl.D;
-  // fp8 x fp8 calls on the persistent ring kernel, opt-in until its default is checked:
-  // HUMMING_JAX_DECODE_RING=1 wherever it applies; =auto where the expected work units (items with
-  // rows x 256-row slices) fill the SMs, as one CTA per SM otherwise leaves SMs idle (benchmarks/
-  // NOTES.md, v11l: mixtral M = 1 GEMM2, 32 units, 1.8x slower; 128+ units 1.0-1.13x faster).
+  // fp8 x fp8 calls on the persistent ring kernel where the expected work units (items with rows x
+  // 256-row slices) fill the SMs, as one CTA per SM otherwise leaves SMs idle (benchmarks/NOTES.md,
+  // v11l-v11m: mixtral M = 1 GEMM2, 32 units, 1.8x slower; 128+ units up to 1.13x faster).
+  // HUMMING_JAX_DECODE_RING=0 keeps the decode kernel, =1 takes the ring wherever it applies.
   const char* ring_env = std::getenv("HUMMING_JAX_DECODE_RING");
-  const std::string ring_mode = ring_env ? ring_env : "";
+  const std::string ring_mode = ring_env && *ring_env ? ring_env : "auto";
   const bool ring = pl.dq == Deq::kCodes && (ring_mode == "1" || ring_mode == "auto") && fp8_ring_applies(D) &&
                     (ring_mode == "1" || fp8_ring_units(D, D.est_items) >= sms);
-  const bool on_ring = ring && launch_fp8_ring(D, sms, stream);
+  const int ring_rows = ring ? launch_fp8_ring(D, sms, stream) : 0;
+  const bool on_ring = ring_rows > 0;
   if (ring && !on_ring)
     decline(L, "fp8 ring kernel: set-up failed (tensor map or shared-memory limit); planned kernel instead");
   bool ok = on_ring;
@@ -382,8 +383,8 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
     g_wg_launches.fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
   if (log && on_ring)
-    std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (items=%d rows<=%d)\n",
-                 mode_name(L.mode), D.N, D.K, D.items, D.max_rows);
+    std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (units of %d rows, items=%d rows<=%d)\n",
+                 mode_name(L.mode), D.N, D.K, ring_rows, D.items, D.max_rows);
   else if (log)
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s%s, wk=%d bn=%d grid=%ux%u "

@@ -1364,10 +1364,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
 
 // The fp8 x fp8 persistent ring kernel (gemm_decode_sm90_fp8_ring.cu): whether it takes a planned
 // launch (fp8 codes on both sides, scale groups of whole 128 k or spanning K), and its launch
-// (false: not launched, the caller keeps the planned kernel).
+// (the weight rows of its work units, 128 or 256; 0: not launched, the caller keeps the planned
+// kernel).
 bool fp8_ring_applies(const DecodeLaunch& D);
-int fp8_ring_units(const DecodeLaunch& D, int64_t items);  // work units of `items` items
-bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream);
+int fp8_ring_units(const DecodeLaunch& D, int64_t items);  // work units of `items` items in 256-row slices
+int launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream);
 
 // Per weight family (gemm_decode_sm90_<family>.cu): launches the kernel variant for the
 // activation kind and dequantization mode; false when the family has no such variant.

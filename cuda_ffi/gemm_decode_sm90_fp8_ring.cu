@@ -1,17 +1,20 @@
-// The decode GEMM for fp8 weights x fp8 activations as a persistent, warp-specialized ring
-// (opt-in: HUMMING_JAX_DECODE_RING=1 or auto; gemm_decode_sm90.cu decides). Why (benchmarks/NOTES.md,
+// The decode GEMM for fp8 weights x fp8 activations as a persistent, warp-specialized ring,
+// where a launch has enough work units to fill the SMs (gemm_decode_sm90.cu decides;
+// HUMMING_JAX_DECODE_RING=0|1 overrides). Why (benchmarks/NOTES.md,
 // v11l): at decode sizes the fp8 GEMM is a pass over the touched weights, and the mma.sync kernel
 // (gemm_decode_sm90.cuh) loses time at every work unit's start and end: each CTA fills its
 // cp.async ring, streams 6-16 stages, drains it and reduces, ~1000 such CTAs per launch. Here:
-//  * One CTA per SM, looping over work units (item x 256-row slice of N) in a fixed round robin
-//    (all units stream the same bytes, so the split is even); the ring of kRingStages stages runs
-//    across units, so the next unit's first stages load while this one finishes.
-//  * A producer warp: per stage one TMA box of 256 weight rows x 128 k (32 KB, 128-byte swizzle,
+//  * One CTA per SM, looping over work units (item x slice of 128 T rows of N, T = 1 or 2) in a
+//    fixed round robin (all units stream the same bytes, so the split is even); the ring of
+//    10 / T stages runs across units, so the next unit's first stages load while this one
+//    finishes. The host picks T by the last wave: 256-row units where their count fills the SMs'
+//    rounds, 128-row ones where halving the unit evens out the last round (Ring, pick_tiles).
+//  * A producer warp: per stage one TMA box of 128 T weight rows x 128 k (16 T KB, 128-byte swizzle,
 //    zeros past K and past the expert's N rows) and the item's token rows of the same 128 k by
 //    cp.async (rows gathered through the routing, zeros past the valid rows); both complete one
 //    mbarrier. The producer also resolves each unit's rows (find_item) one unit ahead, into one of
 //    two info slots.
-//  * Two consumer warpgroups, 128 weight rows each: per stage 2 x 4 wgmma m64n{8,16}k32 on e4m3
+//  * Two consumer warpgroups, 64 T weight rows each: per stage T x 4 wgmma m64n{8,16}k32 on e4m3
 //    codes from shared memory into a per-stage partial sum, then acc += part * a_scale * w_scale
 //    (a stage is one 128-k scale block: the host requires scale groups of whole 128 k or spanning
 //    K), the contract's per-block accumulation. The epilogue stores each valid row from registers.
@@ -19,6 +22,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 
 #include "gemm_decode_sm90.cuh"
@@ -28,19 +32,25 @@ namespace decode {
 namespace {
 
 constexpr int kRingThreads = 384;                 // producer warpgroup (one working warp) + 2 consumer groups
-constexpr int kRingRows = 256;                    // weight rows per work unit
 constexpr int kRingK = 128;                       // k (= bytes) per stage
-constexpr int kRingStages = 5;
-constexpr int kRingWBytes = kRingRows * kRingK;   // 32 KB of weights per stage
 constexpr int kRingABytes = kItemRows * kRingK;   // 2 KB of activations per stage (up to 16 rows)
-constexpr int kRingSmem = kRingStages * (kRingWBytes + kRingABytes) + 1024;  // + alignment slack
 constexpr int kFullArrivals = 1 + 32;             // the TMA's expect-tx arrive + the producer lanes' cp.async
 
+// The ring of units of 128 T weight rows (T 64-row tiles per consumer warpgroup): stages of 16 T
+// KB of weights, 10 / T of them, so both shapes keep the same bytes in flight.
+template <int T>
+struct Ring {
+  static constexpr int kRows = 128 * T;
+  static constexpr int kStages = 10 / T;
+  static constexpr int kWBytes = kRows * kRingK;
+  static constexpr int kSmem = kStages * (kWBytes + kRingABytes) + 1024;  // + alignment slack
+};
+
 struct RingLaunch {
-  CUtensorMap w;  // weights [E][N][K] bytes; box (kRingK, kRingRows, 1), 128-byte swizzle
+  CUtensorMap w;  // weights [E][N][K] bytes; box (kRingK, 128 T, 1), 128-byte swizzle
   DecodeLaunch D;
   int units;      // items x slices
-  int slices;     // ceil(N / kRingRows)
+  int slices;     // ceil(N / (128 T))
   int iters;      // ceil(K / kRingK)
   int groups;     // 8-row token groups of the MMA's B operand (1 or 2)
 };
@@ -80,9 +90,9 @@ __device__ __forceinline__ uint64_t desc128(uint32_t addr) {
   return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | ((addr >> 4) & 0x3fffu) | (1u << 16);
 }
 
-// The consumers' work on one unit: the stages of `expert` over the group's 128 rows from n0g, then
+// The consumers' work on one unit: the stages of `expert` over the group's 64 T rows from n0g, then
 // the stores. `stage` is the ring position, advanced by the unit's stages.
-template <int G>
+template <int T, int G>
 __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uint32_t aring, uint32_t bar_full,
                                         uint32_t bar_empty, int expert, int nvalid, const int32_t* arow,
                                         const int32_t* crow, int64_t n0g, int cg, int wq, int lane, uint32_t& stage) {
@@ -92,10 +102,10 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
   const int g = lane >> 2, t = lane & 3;
   const int N = D.N, K = D.K;
   // This thread's rows: tile i (64 rows), half h; and its token columns 8 j + 2 t + e.
-  int64_t nrow[2][2];
-  uint32_t srow[2][2];
+  int64_t nrow[T][2];
+  uint32_t srow[T][2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < T; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       nrow[i][h] = n0g + 64 * i + 16 * wq + 8 * h + g;
@@ -109,20 +119,20 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
     for (int e = 0; e < 2; ++e) abase[j][e] = static_cast<int64_t>(arow[min(8 * j + 2 * t + e, nvalid - 1)]) * L.a_scale_cols;
   const float s2 = w.scale2 ? w.scale2[expert] : 1.0f;
 
-  float acc[2][4 * G], part[2][4 * G];
+  float acc[T][4 * G], part[T][4 * G];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < T; ++i)
 #pragma unroll
     for (int r = 0; r < 4 * G; ++r) acc[i][r] = part[i][r] = 0.0f;
 
   for (int ks = 0; ks < R.iters; ++ks, ++stage) {
-    const uint32_t s = stage % kRingStages, ph = (stage / kRingStages) & 1u;
+    const uint32_t s = stage % Ring<T>::kStages, ph = (stage / Ring<T>::kStages) & 1u;
     // This stage's scales (one 128-k block), loaded before the wait.
     const uint32_t k0 = static_cast<uint32_t>(min(ks * kRingK, K - 1));
     const uint32_t wk = D.div_gk.div(k0), ak = D.div_agk.div(k0);
-    float ws[2][2], as[G][2];
+    float ws[T][2], as[G][2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < T; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) ws[i][h] = scale_to_float(w.scale_type, load_scale_raw<0>(w.scale_type, w.scale, srow[i][h] + wk)) * s2;
 #pragma unroll
@@ -131,28 +141,28 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
       for (int e = 0; e < 2; ++e) as[j][e] = __ldg(L.p.a.scale + abase[j][e] + ak);
 
     mbar_wait(bar_full + 8 * s, ph);
-    const uint32_t wst = wring + s * kRingWBytes + cg * 128 * kRingK, ast = aring + s * kRingABytes;
+    const uint32_t wst = wring + s * Ring<T>::kWBytes + cg * 64 * T * kRingK, ast = aring + s * kRingABytes;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < T; ++i)
 #pragma unroll
       for (int r = 0; r < 4 * G; ++r) keep_reg(part[i][r]);
     wg_fence();
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < T; ++i)
 #pragma unroll
       for (int kk = 0; kk < kRingK / 32; ++kk)
         WgMma<G>::run(part[i], desc128(wst + i * 64 * kRingK + kk * 32), desc128(ast + kk * 32), kk);
     wg_commit();
     wg_wait0();
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < T; ++i)
 #pragma unroll
       for (int r = 0; r < 4 * G; ++r) keep_reg(part[i][r]);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);  // this warp is done with the stage
     // part[i][4 j + 2 h + e]: row nrow[i][h], token 8 j + 2 t + e.
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < T; ++i)
 #pragma unroll
       for (int j = 0; j < G; ++j)
 #pragma unroll
@@ -165,7 +175,7 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
   uint16_t* cout = static_cast<uint16_t*>(L.p.c);
   const float* bias = w.bias;
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < T; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t n = nrow[i][h];
@@ -184,8 +194,10 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
     }
 }
 
+template <int T>
 __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_constant__ RingLaunch R) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  constexpr int kRingStages = Ring<T>::kStages, kRingRows = Ring<T>::kRows, kRingWBytes = Ring<T>::kWBytes;
   extern __shared__ uint8_t ring_raw[];
   __shared__ __align__(8) uint64_t bars[2 * kRingStages + 4];  // full[S], empty[S], info_full[2], info_empty[2]
   __shared__ int s_info[2][4];
@@ -266,11 +278,11 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
       const int64_t n0 = static_cast<int64_t>(slice) * kRingRows;
       if (expert >= 0 && nvalid > 0) {
         if (R.groups == 1)
-          consume<1>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 128 * cg, cg, wq,
-                     lane, stage);
+          consume<T, 1>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 64 * T * cg,
+                        cg, wq, lane, stage);
         else
-          consume<2>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 128 * cg, cg, wq,
-                     lane, stage);
+          consume<T, 2>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 64 * T * cg,
+                        cg, wq, lane, stage);
       }
       // Rows [zlo, zhi) of the slice are zeros (grouped rows past the last expert, batched rows past a count).
       if (zhi > zlo) {
@@ -315,18 +327,37 @@ bool fp8_ring_applies(const DecodeLaunch& D) {
 }
 
 int fp8_ring_units(const DecodeLaunch& D, int64_t items) {
-  return static_cast<int>(std::min<int64_t>(items * ((D.N + kRingRows - 1) / kRingRows), INT32_MAX));
+  return static_cast<int>(std::min<int64_t>(items * ((D.N + Ring<2>::kRows - 1) / Ring<2>::kRows), INT32_MAX));
 }
 
-bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
+namespace {
+
+// Tiles per consumer warpgroup (T): the unit height with the shorter estimated launch, counted in
+// rounds of units over the SMs (the round robin's last round is the launch's tail) at a 128-row
+// unit's cost relative to a 256-row one (kHalfUnitCost tenths of it, its fixed per-unit share not
+// halving). HUMMING_JAX_RING_ROWS=128|256 forces one (A/B timing).
+int pick_tiles(const DecodeLaunch& D, int sms) {
+  if (const char* v = std::getenv("HUMMING_JAX_RING_ROWS"); v && *v) {
+    if (std::atoi(v) == 128) return 1;
+    if (std::atoi(v) == 256) return 2;
+  }
+  constexpr int64_t kHalfUnitCost = 6;  // tenths of a 256-row unit's time
+  const int64_t items = std::max(D.est_items, 1), slots = std::max(sms, 1);
+  const int64_t u2 = items * ((D.N + 255) / 256), u1 = items * ((D.N + 127) / 128);
+  const int64_t t2 = 10 * ((u2 + slots - 1) / slots), t1 = kHalfUnitCost * ((u1 + slots - 1) / slots);
+  return t1 < t2 ? 1 : 2;
+}
+
+template <int T>
+bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   static unsigned configured = 0;
-  if (!raise_smem_limit_once(fp8_ring_kernel, kRingSmem, false, configured)) {
+  if (!raise_smem_limit_once(fp8_ring_kernel<T>, Ring<T>::kSmem, false, configured)) {
     cudaGetLastError();  // not launched: the caller launches the planned kernel, whose check must not see this
     return false;
   }
   RingLaunch R{};
   R.D = D;
-  R.slices = (D.N + kRingRows - 1) / kRingRows;
+  R.slices = (D.N + Ring<T>::kRows - 1) / Ring<T>::kRows;
   R.iters = (D.K + kRingK - 1) / kRingK;
   R.groups = (D.max_rows + 7) / 8;
   const int64_t units = static_cast<int64_t>(D.items) * R.slices;
@@ -335,14 +366,21 @@ bool launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(D.K), static_cast<cuuint64_t>(D.N),
                               static_cast<cuuint64_t>(D.g.E)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(D.K), static_cast<cuuint64_t>(D.K) * D.N};
-  const cuuint32_t box[3] = {kRingK, kRingRows, 1}, estrides[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {kRingK, Ring<T>::kRows, 1}, estrides[3] = {1, 1, 1};
   if (tensor_map_encoder()(&R.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(D.g.p.w.data), dims, strides,
                            box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
   const int grid = static_cast<int>(std::min<int64_t>(units, std::max(sms, 1)));
-  fp8_ring_kernel<<<grid, kRingThreads, kRingSmem, stream>>>(R);
+  fp8_ring_kernel<T><<<grid, kRingThreads, Ring<T>::kSmem, stream>>>(R);
   return true;
+}
+
+}  // namespace
+
+int launch_fp8_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
+  if (pick_tiles(D, sms) == 1) return launch_ring<1>(D, sms, stream) ? Ring<1>::kRows : 0;
+  return launch_ring<2>(D, sms, stream) ? Ring<2>::kRows : 0;
 }
 
 }  // namespace decode

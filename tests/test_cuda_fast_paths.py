@@ -690,8 +690,10 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
     """More work items than CTAs resident at once: 16 slices of N = 4096 and 32 experts give ~40
     indexed blocks and 32 batched items per slice, several waves of CTAs. The items hold their
     activations whole; the 4-bit ones permute them once per item (the default) or per MMA step
-    (HUMMING_JAX_DECODE_PRE_PERMUTE=0)."""
+    (HUMMING_JAX_DECODE_PRE_PERMUTE=0). fp8 stays on the decode kernel (its ring kernel is tested
+    at such shapes in test_decode_fp8_variants_match_cpu)."""
     monkeypatch.setenv("HUMMING_JAX_DECODE_PRE_PERMUTE", pre_permute)
+    monkeypatch.setenv("HUMMING_JAX_DECODE_RING", "0")
     dtype = SCHEMES[scheme].default_dtype
     e, n, kdim, m, k = 32, 4096, 256, 128, 4
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
@@ -702,19 +704,23 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
 _DECODE_WG_LAUNCHES = _ffi.launch_counter("HjDecodeWgmmaLaunches") if GPU is not None else None
 _DECODE_RING_LAUNCHES = _ffi.launch_counter("HjDecodeRingLaunches") if GPU is not None else None
 
-# fp8 x fp8 on the persistent ring kernel (opt-in, HUMMING_JAX_DECODE_RING=1: TMA weights, wgmma,
-# 128-k stages, so K = 80 is one partial stage), or on the decode kernel's wgmma variant (opt-in,
-# HUMMING_JAX_DECODE_WGMMA=1, or 2 without the proxy fence): the planner
-# takes it at K splits of 1 or 2 (HUMMING_JAX_DECODE_WK), with the activations whole over K or per
-# stage (HUMMING_JAX_DECODE_WHOLE_ACT=0); unset keeps the mma.sync variant. Shapes: 1 row per item
-# (B of 8 tokens), up to 16 (B of 16), and K = 80 (a partial last chunk column, per-channel weight
-# scales, one activation scale per token).
-_WG_ON = {"HUMMING_JAX_DECODE_WGMMA": "1"}
-_WG_ENV = {"default": {}, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK": "1"},
+# fp8 x fp8 on the decode kernel (HUMMING_JAX_DECODE_RING=0), on the persistent ring kernel
+# (HUMMING_JAX_DECODE_RING=1: TMA weights, wgmma, 128-k stages, so K = 80 is one partial stage; work
+# units of 128 or 256 rows by the host's rule or forced, HUMMING_JAX_RING_ROWS), by the default
+# choice between the two, or on the decode kernel's wgmma variant (opt-in, HUMMING_JAX_DECODE_WGMMA=1,
+# or 2 without the proxy fence): the planner takes it at K splits of 1 or 2 (HUMMING_JAX_DECODE_WK),
+# with the activations whole over K or per stage (HUMMING_JAX_DECODE_WHOLE_ACT=0). Shapes: 1 row
+# per item (B of 8 tokens), up to 16 (B of 16), K = 80 (a partial last chunk column, per-channel
+# weight scales, one activation scale per token), and more work units than SMs.
+_NO_RING = {"HUMMING_JAX_DECODE_RING": "0"}
+_WG_ON = {**_NO_RING, "HUMMING_JAX_DECODE_WGMMA": "1"}
+_RING = {"HUMMING_JAX_DECODE_RING": "1"}
+_WG_ENV = {"default": {}, "decode": _NO_RING, "on": _WG_ON, "wk1": {**_WG_ON, "HUMMING_JAX_DECODE_WK": "1"},
            "wk2": {**_WG_ON, "HUMMING_JAX_DECODE_WK": "2"},
            "staged": {**_WG_ON, "HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
-           "nofence": {"HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"},
-           "ring": {"HUMMING_JAX_DECODE_RING": "1"}}
+           "nofence": {**_NO_RING, "HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"},
+           "ring": _RING, "ring-128": {**_RING, "HUMMING_JAX_RING_ROWS": "128"},
+           "ring-256": {**_RING, "HUMMING_JAX_RING_ROWS": "256"}}
 
 
 @requires_decode
@@ -738,9 +744,11 @@ def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, 
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
     with _LaunchCount(_DECODE_WG_LAUNCHES) as wg, _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
         _decode_forms_match_cpu(rng, w, bias, dtype, quant, m, k, 9, f"{scheme} {variant} M={m} K={kdim}")
-    assert ring.count == (5 if variant == "ring" else 0), f"{variant}: {ring.count} launches of the ring kernel"
-    if variant in ("default", "ring"):
-        assert wg.count == 0, "the mma.sync variant is the default"
+    ringed = variant.startswith("ring")
+    if variant != "default":  # the default takes the ring at the shape with more units than SMs
+        assert ring.count == (5 if ringed else 0), f"{variant}: {ring.count} launches of the ring kernel"
+    if variant in ("default", "decode") or ringed:
+        assert wg.count == 0, "the mma.sync variant is the decode kernel's default"
     elif variant != "on":  # "on" keeps the planner's split, which may exceed 2
         assert wg.count == 5, f"expected the five GEMM calls on the wgmma variant, got {wg.count}"
 

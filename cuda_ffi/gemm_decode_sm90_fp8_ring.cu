@@ -335,7 +335,8 @@ namespace {
 // Tiles per consumer warpgroup (T): the unit height with the shorter estimated launch, counted in
 // rounds of units over the SMs (the round robin's last round is the launch's tail) at a 128-row
 // unit's cost relative to a 256-row one (kHalfUnitCost tenths of it, its fixed per-unit share not
-// halving). HUMMING_JAX_RING_ROWS=128|256 forces one (A/B timing).
+// halving; measured 0.54-0.58). Right for 15 of 18 fp8 GEMMs timed both ways, the others within 3%
+// (benchmarks/NOTES.md, v11m). HUMMING_JAX_RING_ROWS=128|256 forces one (A/B timing).
 int pick_tiles(const DecodeLaunch& D, int sms) {
   if (const char* v = std::getenv("HUMMING_JAX_RING_ROWS"); v && *v) {
     if (std::atoi(v) == 128) return 1;

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "gemm_decode_sm90.cuh"
 
@@ -53,6 +54,7 @@ struct RingLaunch {
   int slices;     // ceil(N / (128 T))
   int iters;      // ceil(K / kRingK)
   int groups;     // 8-row token groups of the MMA's B operand (1 or 2)
+  int slice_major;  // unit order: 0 the slices of an item in turn, 1 one slice of every item in turn
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t a, int count) {
@@ -226,13 +228,25 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
   if (L.mode == RowMode::kIndexed)  // units of the used blocks only (blocks are used in order)
     units = static_cast<int>(min(static_cast<int64_t>(units),
                                  (indexed_used_rows(L) + L.block_m - 1) / L.block_m * R.slices));
+  const int nitems = units / R.slices;
+  // Unit u's item and slice in the launch's order.
+  auto unit_of = [&](int u, int& item, int& slice) {
+    if (R.slice_major) {
+      slice = u / nitems;
+      item = u - slice * nitems;
+    } else {
+      item = u / R.slices;
+      slice = u - item * R.slices;
+    }
+  };
 
   if (warp == 0) {  // producer
     const uint8_t* a = static_cast<const uint8_t*>(L.p.a.data);
     uint32_t stage = 0;
     for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
       const int q = k & 1;
-      const int item = u / R.slices, slice = u - item * R.slices;
+      int item, slice;
+      unit_of(u, item, slice);
       mbar_wait(bar_info_empty + 8 * q, ((k >> 1) & 1) ^ 1);
       find_item(D, item, lane, s_arow[q], s_crow[q], s_info[q]);
       __syncwarp();
@@ -270,7 +284,8 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
     uint32_t stage = 0;
     for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
       const int q = k & 1;
-      const int item = u / R.slices, slice = u - item * R.slices;
+      int item, slice;
+      unit_of(u, item, slice);
       (void)item;
       mbar_wait(bar_info_full + 8 * q, (k >> 1) & 1);
       const int expert = s_info[q][0], nvalid = s_info[q][1];
@@ -368,9 +383,18 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
                               static_cast<cuuint64_t>(D.g.E)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(D.K), static_cast<cuuint64_t>(D.K) * D.N};
   const cuuint32_t box[3] = {kRingK, Ring<T>::kRows, 1}, estrides[3] = {1, 1, 1};
+  // A/B switches (timing only): HUMMING_JAX_RING_L2=none|128|256 (the TMA's L2 promotion, default
+  // 256), HUMMING_JAX_RING_ORDER=slice (one slice of every item in turn instead of an item's slices).
+  const char* l2 = std::getenv("HUMMING_JAX_RING_L2");
+  const std::string l2s = l2 ? l2 : "";
+  const CUtensorMapL2promotion promo = l2s == "none"  ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+                                       : l2s == "128" ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                      : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  const char* order = std::getenv("HUMMING_JAX_RING_ORDER");
+  R.slice_major = order && std::string(order) == "slice";
   if (tensor_map_encoder()(&R.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(D.g.p.w.data), dims, strides,
-                           box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+                           box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
   const int grid = static_cast<int>(std::min<int64_t>(units, std::max(sms, 1)));
   fp8_ring_kernel<T><<<grid, kRingThreads, Ring<T>::kSmem, stream>>>(R);

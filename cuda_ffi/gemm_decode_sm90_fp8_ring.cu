@@ -55,6 +55,7 @@ struct RingLaunch {
   int iters;      // ceil(K / kRingK)
   int groups;     // 8-row token groups of the MMA's B operand (1 or 2)
   int slice_major;  // unit order: 0 the slices of an item in turn, 1 one slice of every item in turn
+  int narrow;       // 1: units of at most 8 rows take the 8-token MMA in a launch of 16-token groups
 };
 
 __device__ __forceinline__ void mbar_init(uint32_t a, int count) {
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
       const int64_t zlo = s_info[q][2], zhi = s_info[q][3];
       const int64_t n0 = static_cast<int64_t>(slice) * kRingRows;
       if (expert >= 0 && nvalid > 0) {
-        if (R.groups == 1)
+        if (R.groups == 1 || (R.narrow && nvalid <= 8))
           consume<T, 1>(R, wring, aring, bar_full, bar_empty, expert, nvalid, s_arow[q], s_crow[q], n0 + 64 * T * cg,
                         cg, wq, lane, stage);
         else
@@ -384,7 +385,8 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(D.K), static_cast<cuuint64_t>(D.K) * D.N};
   const cuuint32_t box[3] = {kRingK, Ring<T>::kRows, 1}, estrides[3] = {1, 1, 1};
   // A/B switches (timing only): HUMMING_JAX_RING_L2=none|128|256 (the TMA's L2 promotion, default
-  // 256), HUMMING_JAX_RING_ORDER=slice (one slice of every item in turn instead of an item's slices).
+  // 256), HUMMING_JAX_RING_ORDER=slice (one slice of every item in turn instead of an item's slices),
+// HUMMING_JAX_RING_NARROW=0 (16-token MMAs for every unit of a launch with items over 8 rows).
   const char* l2 = std::getenv("HUMMING_JAX_RING_L2");
   const std::string l2s = l2 ? l2 : "";
   const CUtensorMapL2promotion promo = l2s == "none"  ? CU_TENSOR_MAP_L2_PROMOTION_NONE
@@ -392,6 +394,7 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
                                                       : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   const char* order = std::getenv("HUMMING_JAX_RING_ORDER");
   R.slice_major = order && std::string(order) == "slice";
+  R.narrow = env_flag("HUMMING_JAX_RING_NARROW", true);
   if (tensor_map_encoder()(&R.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(D.g.p.w.data), dims, strides,
                            box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)

@@ -720,7 +720,8 @@ _WG_ENV = {"default": {}, "decode": _NO_RING, "on": _WG_ON, "wk1": {**_WG_ON, "H
            "staged": {**_WG_ON, "HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
            "nofence": {**_NO_RING, "HUMMING_JAX_DECODE_WGMMA": "2", "HUMMING_JAX_DECODE_WK": "1"},
            "ring": _RING, "ring-128": {**_RING, "HUMMING_JAX_RING_ROWS": "128"},
-           "ring-256": {**_RING, "HUMMING_JAX_RING_ROWS": "256"}}
+           "ring-256": {**_RING, "HUMMING_JAX_RING_ROWS": "256"},
+           "ring-wide": {**_RING, "HUMMING_JAX_RING_NARROW": "0"}}  # 16-token MMAs for every unit
 
 
 @requires_decode

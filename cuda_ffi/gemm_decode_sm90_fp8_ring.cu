@@ -386,7 +386,7 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   const cuuint32_t box[3] = {kRingK, Ring<T>::kRows, 1}, estrides[3] = {1, 1, 1};
   // A/B switches (timing only): HUMMING_JAX_RING_L2=none|128|256 (the TMA's L2 promotion, default
   // 256), HUMMING_JAX_RING_ORDER=slice (one slice of every item in turn instead of an item's slices),
-// HUMMING_JAX_RING_NARROW=0 (16-token MMAs for every unit of a launch with items over 8 rows).
+  // HUMMING_JAX_RING_NARROW=0 (16-token MMAs for every unit of a launch with items over 8 rows).
   const char* l2 = std::getenv("HUMMING_JAX_RING_L2");
   const std::string l2s = l2 ? l2 : "";
   const CUtensorMapL2promotion promo = l2s == "none"  ? CU_TENSOR_MAP_L2_PROMOTION_NONE

@@ -176,16 +176,23 @@ __device__ __forceinline__ void sts128(uint32_t a, uint32_t x0, uint32_t x1, uin
 }
 
 // ---------------------------------------------------------------------------------------------
-// wgmma (sm_90a) for the fp8 x fp8 variant: e4m3 codes of both operands straight from shared memory.
+// wgmma (sm_90a): the primitives of the fp8 x fp8 variants (e4m3 codes of both operands straight
+// from shared memory: the decode kernel's, the ring kernel's) and of the 4-bit prefill mainloop.
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Writes of the generic proxy (cp.async, st.shared) become visible to wgmma's reads (async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // The four warps of warpgroup `wg` (barrier 0 is __syncthreads).
 __device__ __forceinline__ void wg_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory"); }
-__device__ __forceinline__ void keep_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// Keeps a register's value in place across asynchronous wgmma reads or writes (the compiler sees
+// a read and a write here, so it can neither move nor reuse the register before this point).
+__device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // Matrix descriptor of a K-major operand with 64-byte swizzle: 8-row atoms of 8 x 64 bytes,
 // kWgGroupBytes apart along M / N (the stride field); the leading-offset field is unused when an
@@ -908,20 +915,20 @@ struct Kern {
 #pragma unroll
           for (int i = 0; i < kNT; ++i)
 #pragma unroll
-            for (int r = 0; r < 4 * TOKT; ++r) keep_reg(wpart[i][r]);
-          wg_fence();
+            for (int r = 0; r < 4 * TOKT; ++r) fence_reg(wpart[i][r]);
+          wgmma_fence();
 #pragma unroll
           for (int i = 0; i < kNT; ++i)
 #pragma unroll
             for (int kk = 0; kk < 2; ++kk)  // 32 k (bytes) per MMA, two per 64-byte chunk column
               WgMma<TOKT>::run(wpart[i], wg_desc(wbase + i * 2 * kWarpStageBytes + kk * 32), wg_desc(abase + kk * 32),
                                kk);
-          wg_commit();
-          wg_wait0();
+          wgmma_commit();
+          wgmma_wait<0>();
 #pragma unroll
           for (int i = 0; i < kNT; ++i)
 #pragma unroll
-            for (int r = 0; r < 4 * TOKT; ++r) keep_reg(wpart[i][r]);
+            for (int r = 0; r < 4 * TOKT; ++r) fence_reg(wpart[i][r]);
           // acc += part * a_scale * (w_scale * scale2), as the mma.sync variant per chunk column.
 #pragma unroll
           for (int i = 0; i < kNT; ++i)

@@ -148,19 +148,19 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
-      for (int r = 0; r < 4 * G; ++r) keep_reg(part[i][r]);
-    wg_fence();
+      for (int r = 0; r < 4 * G; ++r) fence_reg(part[i][r]);
+    wgmma_fence();
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
       for (int kk = 0; kk < kRingK / 32; ++kk)
         WgMma<G>::run(part[i], desc128(wst + i * 64 * kRingK + kk * 32), desc128(ast + kk * 32), kk);
-    wg_commit();
-    wg_wait0();
+    wgmma_commit();
+    wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
-      for (int r = 0; r < 4 * G; ++r) keep_reg(part[i][r]);
+      for (int r = 0; r < 4 * G; ++r) fence_reg(part[i][r]);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);  // this warp is done with the stage
     // part[i][4 j + 2 h + e]: row nrow[i][h], token 8 j + 2 t + e.

@@ -51,10 +51,14 @@ using decode::cp_async16;
 using decode::cp_async_commit;
 using decode::cp_async_wait;
 using decode::cp_async_weights;
+using decode::fence_reg;
 using decode::e2m1_bits;
 using decode::fp4_factors;
 using decode::hmul2;
 using decode::smem_addr;
+using decode::wgmma_commit;
+using decode::wgmma_fence;
+using decode::wgmma_wait;
 
 constexpr int kThreads = 256;    // two warpgroups, both loading and computing
 constexpr int kBK = 64;          // k per stage: two scale groups
@@ -91,20 +95,8 @@ struct Params4 {
 };
 
 // ---------------------------------------------------------------------------------------------
-// wgmma primitives (sm_90a).
+// wgmma primitives (sm_90a): fence, commit, wait and fence_reg from gemm_decode_sm90.cuh.
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Keeps a register's value in place across asynchronous wgmma reads or writes (the compiler sees
-// a read and a write here, so it can neither move nor reuse the register before this point).
-__device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
-__device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
 // Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle (8-row atoms of 128
 // bytes, 1024 bytes apart), from its low word: start address / 16 (shared addresses stay below
 // 2^18, so the 14-bit field never carries into the next) and a leading byte offset of 1.

@@ -342,8 +342,15 @@ bool fp8_ring_applies(const DecodeLaunch& D) {
          tensor_map_encoder() != nullptr;
 }
 
+namespace {
+
+// Work units of `items` items in slices of `rows` weight rows.
+int64_t ring_units(const DecodeLaunch& D, int64_t items, int rows) { return items * ((D.N + rows - 1) / rows); }
+
+}  // namespace
+
 int fp8_ring_units(const DecodeLaunch& D, int64_t items) {
-  return static_cast<int>(std::min<int64_t>(items * ((D.N + Ring<2>::kRows - 1) / Ring<2>::kRows), INT32_MAX));
+  return static_cast<int>(std::min<int64_t>(ring_units(D, items, Ring<2>::kRows), INT32_MAX));
 }
 
 namespace {
@@ -360,7 +367,7 @@ int pick_tiles(const DecodeLaunch& D, int sms) {
   }
   constexpr int64_t kHalfUnitCost = 6;  // tenths of a 256-row unit's time
   const int64_t items = std::max(D.est_items, 1), slots = std::max(sms, 1);
-  const int64_t u2 = items * ((D.N + 255) / 256), u1 = items * ((D.N + 127) / 128);
+  const int64_t u2 = ring_units(D, items, Ring<2>::kRows), u1 = ring_units(D, items, Ring<1>::kRows);
   const int64_t t2 = 10 * ((u2 + slots - 1) / slots), t1 = kHalfUnitCost * ((u1 + slots - 1) / slots);
   return t1 < t2 ? 1 : 2;
 }

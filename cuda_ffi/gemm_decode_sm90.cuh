@@ -1059,7 +1059,8 @@ __device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int
 // each expert's rows, experts in order, then items of zero rows past the last expert; batched: one
 // expert's first T rows, zeros past its count. decode_kernel keeps an inline copy of the same
 // enumeration: calling this instead changed ptxas' register allocation of its 128-register
-// variants (fp8 x fp8 4 -> 36 bytes of spills, the float32 modes 4 -> 8-12), not yet timed.
+// variants (fp8 x fp8 4 -> 36 bytes of spills, the float32 modes 4 -> 8-12) and made fp8 up to
+// 4.5% slower (benchmarks/NOTES.md, v11m).
 __device__ __forceinline__ void find_item(const DecodeLaunch& D, int item, int lane, int32_t* s_arow,
                                           int32_t* s_crow, int* s_info) {
   const GemmLaunch& L = D.g;

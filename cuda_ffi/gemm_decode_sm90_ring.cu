@@ -115,11 +115,10 @@ __device__ __forceinline__ uint64_t desc128(uint32_t addr) {
 }
 
 // Stores a unit's accumulators (+ bias), rounded to the output type: acc[i][4 j + 2 h + e] is weight
-// row nrow[i][h], token 8 j + 2 t + e (wgmma's accumulator layout for N = 8 G).
+// row n0t + 64 i + 8 h, token 8 j + 2 t + e (wgmma's accumulator layout for N = 8 G).
 template <int T, int G>
-__device__ __forceinline__ void store_unit(const DecodeLaunch& D, const float (&acc)[T][4 * G],
-                                           const int64_t (&nrow)[T][2], int expert, int nvalid,
-                                           const int32_t* crow, int t) {
+__device__ __forceinline__ void store_unit(const DecodeLaunch& D, const float (&acc)[T][4 * G], int64_t n0t,
+                                           int expert, int nvalid, const int32_t* crow, int t) {
   const GemmLaunch& L = D.g;
   const int N = D.N;
   const bool c_f16 = L.p.c_type == ElemType::kF16;
@@ -129,7 +128,7 @@ __device__ __forceinline__ void store_unit(const DecodeLaunch& D, const float (&
   for (int i = 0; i < T; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t n = nrow[i][h];
+      const int64_t n = n0t + 64 * i + 8 * h;
       if (n >= N) continue;
       const float b = bias ? bias[static_cast<int64_t>(expert) * N + n] : 0.0f;
 #pragma unroll
@@ -158,15 +157,14 @@ __device__ __forceinline__ void consume_fp8(const RingLaunch& R, uint32_t wring,
   const WeightView& w = L.p.w;
   const int g = lane >> 2, t = lane & 3;
   const int N = D.N, K = D.K;
-  // This thread's rows: tile i (64 rows), half h; and its token columns 8 j + 2 t + e.
-  int64_t nrow[T][2];
+  // This thread's rows: n0t + 64 i + 8 h (tile i, half h); and its token columns 8 j + 2 t + e.
+  const int64_t n0t = n0g + 16 * wq + g;
   uint32_t srow[T][2];
 #pragma unroll
   for (int i = 0; i < T; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      nrow[i][h] = n0g + 64 * i + 16 * wq + 8 * h + g;
-      const uint32_t n = static_cast<uint32_t>(min(nrow[i][h], static_cast<int64_t>(N) - 1));
+      const uint32_t n = static_cast<uint32_t>(min(n0t + 64 * i + 8 * h, static_cast<int64_t>(N) - 1));
       srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(n)) * L.scale_cols;
     }
   int64_t abase[G][2];  // scale-row offsets of the token columns (clamped to a valid row)
@@ -204,10 +202,12 @@ __device__ __forceinline__ void consume_fp8(const RingLaunch& R, uint32_t wring,
 #pragma unroll
       for (int r = 0; r < 4 * G; ++r) fence_reg(part[i][r]);
     wgmma_fence();
+    // Tiles interleaved: consecutive MMAs accumulate into different registers, so the tensor core
+    // need not wait for one MMA's result before starting the next.
 #pragma unroll
-    for (int i = 0; i < T; ++i)
+    for (int kk = 0; kk < kRingK / 32; ++kk)
 #pragma unroll
-      for (int kk = 0; kk < kRingK / 32; ++kk)
+      for (int i = 0; i < T; ++i)
         WgMma<G>::run(part[i], desc128(wst + i * 64 * kRingK + kk * 32), desc128(ast + kk * 32), kk);
     wgmma_commit();
     wgmma_wait<0>();
@@ -227,12 +227,12 @@ __device__ __forceinline__ void consume_fp8(const RingLaunch& R, uint32_t wring,
 #pragma unroll
           for (int e = 0; e < 2; ++e) acc[i][4 * j + 2 * h + e] += part[i][4 * j + 2 * h + e] * as[j][e] * ws[i][h];
   }
-  store_unit<T, G>(D, acc, nrow, expert, nvalid, crow, t);
+  store_unit<T, G>(D, acc, n0t, expert, nvalid, crow, t);
 }
 
 // The uint4 consumers' work on one unit (module comment): per stage and 64-row tile i, each 64-k
 // half b converted into A fragments frag[b] (w' = (q - 8) * s, bf16) and run as four k16 MMAs into
-// acc[i]. A stage is released once the first MMA group of the next one has been waited for (all
+// tile i's accumulator sets. A stage is released once the first MMA group of the next one has been waited for (all
 // its groups are then complete), the last one after the unit's final wait.
 template <int T, int G>
 __device__ __forceinline__ void consume_u4(const RingLaunch& R, uint32_t wring, uint32_t aring, uint32_t bar_full,
@@ -244,22 +244,21 @@ __device__ __forceinline__ void consume_u4(const RingLaunch& R, uint32_t wring, 
   const WeightView& w = L.p.w;
   const int g = lane >> 2, t = lane & 3;
   const int N = D.N;
-  int64_t nrow[T][2];
-  uint32_t srow[T][2], woff[T][2][2];  // scale-row offsets; the lane's 8 code bytes per half (swizzled)
+  // This thread's rows: n0t + 64 i + 8 h (tile i, half h).
+  const int64_t n0t = n0g + 16 * wq + g;
+  uint32_t srow[T][2];  // scale-row offsets
 #pragma unroll
   for (int i = 0; i < T; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      nrow[i][h] = n0g + 64 * i + 16 * wq + 8 * h + g;
-      const uint32_t n = static_cast<uint32_t>(min(nrow[i][h], static_cast<int64_t>(N) - 1));
+      const uint32_t n = static_cast<uint32_t>(min(n0t + 64 * i + 8 * h, static_cast<int64_t>(N) - 1));
       srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(n)) * L.scale_cols;
-      // Row lr of the stage: 64 bytes, its 16-byte units c at c ^ ((lr >> 1) & 3) (the TMA's 64-byte
-      // swizzle); half b's lane bytes 8t .. 8t+7 lie in unit 2b + (t >> 1).
-      const uint32_t lr = cg * 64 * T + 64 * i + 16 * wq + 8 * h + g;
-#pragma unroll
-      for (int b = 0; b < 2; ++b)
-        woff[i][h][b] = lr * RT::kRowBytes + (((2 * b + (t >> 1)) ^ ((lr >> 1) & 3)) << 4) + (t & 1) * 8;
     }
+  // Stage row lr = cg 64 T + 64 i + 16 wq + 8 h + g: 64 bytes, its 16-byte units c at c ^ ((lr >> 1) & 3)
+  // (the TMA's 64-byte swizzle; (lr >> 1) & 3 = (g >> 1) & 3). Half b's lane bytes 8t .. 8t+7 lie in
+  // unit 2b + (t >> 1): the offset for b = 0, and bit 5 flipped for b = 1.
+  const uint32_t wlane = (cg * 64 * T + 16 * wq + g) * RT::kRowBytes + (((t >> 1) ^ ((g >> 1) & 3)) << 4) + (t & 1) * 8;
+  auto woff = [&](int i, int h, int b) { return (wlane + (64 * i + 8 * h) * RT::kRowBytes) ^ (32u * b); };
   // bf16 scale bits of each row at stage ks (scale groups of whole stages or spanning K).
   auto load_scales = [&](int ks, uint32_t(&dst)[T][2]) {
     const uint32_t wk = D.div_gk.div(static_cast<uint32_t>(min(ks, R.iters - 1) * kRingK));
@@ -268,19 +267,27 @@ __device__ __forceinline__ void consume_u4(const RingLaunch& R, uint32_t wring, 
 #pragma unroll
       for (int h = 0; h < 2; ++h) dst[i][h] = load_scale_raw<2>(w.scale_type, w.scale, srow[i][h] + wk);
   };
-  uint32_t sc[T][2], scn[T][2];
-  load_scales(0, sc);
+  // Scales of stages ks (slot ks & 1) and ks + 1: a slot is reloaded for stage ks + 2 once stage ks
+  // has read it, two stages ahead of its use without register copies.
+  uint32_t sc[2][T][2];
+  load_scales(0, sc[0]);
+  load_scales(1, sc[1]);
 
-  float acc[T][4 * G];
+  // NA accumulator sets per tile, the k16 steps of a half in turn over them: the MMAs of a chain
+  // into one set wait for each other's results, so more sets keep the tensor core busy (four with
+  // one tile, two with two, at the same registers).
+  constexpr int NA = T == 1 ? 4 : 2;
+  float acc[T][NA][4 * G];
 #pragma unroll
   for (int i = 0; i < T; ++i)
 #pragma unroll
-    for (int r = 0; r < 4 * G; ++r) acc[i][r] = 0.0f;
+    for (int a = 0; a < NA; ++a)
+#pragma unroll
+      for (int r = 0; r < 4 * G; ++r) acc[i][a][r] = 0.0f;
   uint32_t frag[2][4][4];  // [half][k16 step][register]
 
-  for (int ks = 0; ks < R.iters; ++ks, ++stage) {
+  auto run_stage = [&](int ks, uint32_t(&scs)[T][2]) {
     const uint32_t s = stage % RT::kStages, ph = (stage / RT::kStages) & 1u;
-    load_scales(ks + 1, scn);  // the next stage's, a stage ahead of their use
     mbar_wait(bar_full + 8 * s, ph);
     const uint32_t wst = wring + s * RT::kWBytes, ast = aring + s * RT::kABytes;
 #pragma unroll
@@ -291,9 +298,9 @@ __device__ __forceinline__ void consume_u4(const RingLaunch& R, uint32_t wring, 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           uint32_t words[2];
-          lds64(words, wst + woff[i][h][b]);
-          const uint32_t f1 = sc[i][h] * 0x10001u;
-          zero_scale |= sc[i][h] == 0u;
+          lds64(words, wst + woff(i, h, b));
+          const uint32_t f1 = scs[i][h] * 0x10001u;
+          zero_scale |= scs[i][h] == 0u;
 #pragma unroll
           for (int wd = 0; wd < 2; ++wd) {
             // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
@@ -313,14 +320,17 @@ __device__ __forceinline__ void consume_u4(const RingLaunch& R, uint32_t wring, 
             for (int r = 0; r < 4; ++r) frag[b][j][r] = hmul2<false>(frag[b][j][r], 0x3f803f80u);
         }
 #pragma unroll
-        for (int r = 0; r < 4 * G; ++r) fence_reg(acc[i][r]);
+        for (int a = 0; a < NA; ++a)
+#pragma unroll
+          for (int r = 0; r < 4 * G; ++r) fence_reg(acc[i][a][r]);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
           for (int r = 0; r < 4; ++r) fence_reg(frag[b][j][r]);
         wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) RsMma<8 * G>::run(acc[i], frag[b][j], desc128(ast + b * 2048 + j * 32), 1);
+        for (int j = 0; j < 4; ++j)
+          RsMma<8 * G>::run(acc[i][(4 * b + j) % NA], frag[b][j], desc128(ast + b * 2048 + j * 32), 1);
         wgmma_commit();
         wgmma_wait<1>();  // the previous group is done: the other half's registers are free again
 #pragma unroll
@@ -332,19 +342,28 @@ __device__ __forceinline__ void consume_u4(const RingLaunch& R, uint32_t wring, 
           if (lane == 0) mbar_arrive(bar_empty + 8 * ((stage - 1) % RT::kStages));
         }
       }
-#pragma unroll
-    for (int i = 0; i < T; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) sc[i][h] = scn[i][h];
+    load_scales(ks + 2, scs);
+    ++stage;
+  };
+  for (int ks = 0; ks < R.iters; ks += 2) {
+    run_stage(ks, sc[0]);
+    if (ks + 1 < R.iters) run_stage(ks + 1, sc[1]);
   }
   wgmma_wait<0>();
+  float sum[T][4 * G];
 #pragma unroll
   for (int i = 0; i < T; ++i)
 #pragma unroll
-    for (int r = 0; r < 4 * G; ++r) fence_reg(acc[i][r]);
+    for (int r = 0; r < 4 * G; ++r) {
+#pragma unroll
+      for (int a = 0; a < NA; ++a) fence_reg(acc[i][a][r]);
+      sum[i][r] = acc[i][0][r];
+#pragma unroll
+      for (int a = 1; a < NA; ++a) sum[i][r] += acc[i][a][r];
+    }
   __syncwarp();
   if (lane == 0) mbar_arrive(bar_empty + 8 * ((stage - 1) % RT::kStages));
-  store_unit<T, G>(D, acc, nrow, expert, nvalid, crow, t);
+  store_unit<T, G>(D, sum, n0t, expert, nvalid, crow, t);
 }
 
 // The permuting warp's placement (uint4): logical position L of a 64-k block of a token row
@@ -411,7 +430,13 @@ __global__ void __launch_bounds__(kRingThreads, 1) ring_kernel(const __grid_cons
     }
   };
 
-  if (warp == 0) {  // producer
+  // uint4: registers moved from the producer warpgroup to the consumers (accumulator sets, double-
+  // buffered A fragments, scales two stages ahead: more than 168 per thread at T = 2): 128 x (168 -
+  // 64) freed >= 256 x (216 - 168) taken. Each side sets its count first and never rejoins the
+  // other's code.
+  if (warp < 4) {
+    if constexpr (RT::kU4) asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n" ::: "memory");
+    if (warp == 0) {  // producer
     const uint8_t* a = static_cast<const uint8_t*>(L.p.a.data);
     constexpr int kRowChunks = RT::kAChunks, kCopies = kItemRows * kRowChunks / 32;
     const int64_t a_row_bytes = static_cast<int64_t>(D.K) * (RT::kU4 ? 2 : 1);
@@ -454,7 +479,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) ring_kernel(const __grid_cons
       }
     }
     cp_async_wait<0>();
-  } else if (RT::kU4 && warp == 1) {  // uint4: the activations into the A fragments' k order, in place
+    } else if (RT::kU4 && warp == 1) {  // uint4: the activations into the A fragments' k order, in place
     const int r = lane & 15, b = lane >> 4;  // this lane's token row and 64-k block
     uint32_t stage = 0;
     for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {
@@ -484,7 +509,9 @@ __global__ void __launch_bounds__(kRingThreads, 1) ring_kernel(const __grid_cons
         if (lane == 0) mbar_arrive(bar_full + 8 * s);
       }
     }
-  } else if (warp >= 4) {  // consumers
+    }
+  } else {  // consumers
+    if constexpr (RT::kU4) asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n" ::: "memory");
     const int cw = warp - 4, cg = cw >> 2, wq = cw & 3;
     uint32_t stage = 0;
     for (int k = 0, u = blockIdx.x; u < units; ++k, u += gridDim.x) {

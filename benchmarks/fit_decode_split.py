@@ -78,7 +78,7 @@ def by_time(fixed_bytes: int = 32 << 10, pair_tenths: int = 6):
 
 
 # The decode-sized GEMM kernels, by the names a trace gives their launches.
-GEMM_KERNELS = ("decode_kernel", "ring_kernel")  # ring_kernel: also the older fp8_ring_kernel
+GEMM_KERNELS = ("decode_kernel", "fp8_ring_kernel")
 
 
 def is_gemm_launch(name: str) -> bool:

@@ -15,7 +15,7 @@ namespace {
 
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_wg_launches{0};    // of which the wgmma variant
-std::atomic<uint64_t> g_ring_launches{0};  // ... and the ring kernel
+std::atomic<uint64_t> g_ring_launches{0};  // ... and the fp8 ring kernel
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
@@ -353,18 +353,16 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   const DecodeLaunch& D = pl.D;
   // fp8 x fp8 calls on the persistent ring kernel where the expected work units (items with rows x
   // 256-row slices) fill the SMs, as one CTA per SM otherwise leaves SMs idle (benchmarks/NOTES.md,
-  // v11l-v11m: mixtral M = 1 GEMM2, 32 units, 1.8x slower; 128+ units up to 1.13x faster). uint4 x
-  // bf16 calls take the ring only when asked for (not yet measured as the default).
+  // v11l-v11m: mixtral M = 1 GEMM2, 32 units, 1.8x slower; 128+ units up to 1.13x faster).
   // HUMMING_JAX_DECODE_RING=0 keeps the decode kernel, =1 takes the ring wherever it applies.
   const char* ring_env = std::getenv("HUMMING_JAX_DECODE_RING");
   const std::string ring_mode = ring_env && *ring_env ? ring_env : "auto";
-  const bool ring = (pl.dq == Deq::kCodes || pl.dq == Deq::kPackedU4) && ring_applies(D) &&
-                    (ring_mode == "1" ||
-                     (ring_mode == "auto" && pl.dq == Deq::kCodes && ring_units_256(D, D.est_items) >= sms));
-  const int ring_rows = ring ? launch_ring_kernel(D, sms, stream) : 0;
+  const bool ring = pl.dq == Deq::kCodes && (ring_mode == "1" || ring_mode == "auto") && fp8_ring_applies(D) &&
+                    (ring_mode == "1" || fp8_ring_units(D, D.est_items) >= sms);
+  const int ring_rows = ring ? launch_fp8_ring(D, sms, stream) : 0;
   const bool on_ring = ring_rows > 0;
   if (ring && !on_ring)
-    decline(L, "ring kernel: set-up failed (tensor map or shared-memory limit); planned kernel instead");
+    decline(L, "fp8 ring kernel: set-up failed (tensor map or shared-memory limit); planned kernel instead");
   bool ok = on_ring;
   if (!ok) switch (L.p.w.type) {
     case WeightType::kFloat: ok = launch_family<WeightType::kFloat>(D, pl.ak, pl.dq, pl.f32_scales, pl.grid, pl.smem, stream); break;
@@ -385,15 +383,15 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
     g_wg_launches.fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
   if (log && on_ring)
-    std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> ring kernel (%s, units of %d rows, items=%d rows<=%d)\n",
-                 mode_name(L.mode), D.N, D.K, deq_name(pl.dq), ring_rows, D.items, D.max_rows);
+    std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (units of %d rows, items=%d rows<=%d)\n",
+                 mode_name(L.mode), D.N, D.K, ring_rows, D.items, D.max_rows);
   else if (log)
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s%s, wk=%d bn=%d grid=%ux%u "
                  "items=%d rows<=%d whole<=%d smem=%zu)\n",
                  mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wg_groups ? "+wgmma" : "",
                  D.wk, D.bn, pl.grid.x, pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
-  return launch_status(call, on_ring ? "ring_kernel" : "decode_kernel");
+  return launch_status(call, on_ring ? "fp8_ring_kernel" : "decode_kernel");
 }
 
 }  // namespace decode
@@ -409,7 +407,7 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeWgmmaLaunches
   return hj::decode::g_wg_launches.load(std::memory_order_relaxed);
 }
 
-// ... and of the ring kernel (fp8 or uint4).
+// ... and of the fp8 ring kernel.
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeRingLaunches() {
   return hj::decode::g_ring_launches.load(std::memory_order_relaxed);
 }

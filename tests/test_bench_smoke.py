@@ -338,14 +338,13 @@ def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
 def test_sweep_launches_splits_gemms_and_names_the_kernels(capsys):
     """sweep_launches.py on a made-up device-timer sweep: two input sets per call, each GEMM1 (a
     GEMM launch followed by the activation) and GEMM2; the kernel of each value named from the
-    trace's names (mma.sync decode kernel, its wgmma variant, the ring kernel)."""
+    trace's names (mma.sync decode kernel, its wgmma variant, the fp8 ring kernel)."""
     import sweep_launches as sl
 
     mma = ("void hj::decode::decode_kernel<(hj::WeightType)3, (hj::decode::ActKind)2, (hj::decode::Deq)4, "
            "true, true, false>(hj::decode::DecodeLaunch)")
     wg = mma.replace("true, true, false>", "true, true, true>")
-    ring = ("void hj::decode::(anonymous namespace)::ring_kernel<(hj::decode::(anonymous namespace)::RingFormat)0, 2>"
-            "(hj::decode::(anonymous namespace)::RingLaunch)")
+    ring = "hj::decode::(anonymous namespace)::fp8_ring_kernel(hj::decode::(anonymous namespace)::RingLaunch)"
     act, quant = "void hj::activation_kernel<1>(...)", "void hj::group_quant_vec_kernel<1, 4, 16>(...)"
 
     def call(k, g1, g2):  # quantize, GEMM1, activation, GEMM2 of two input sets, interleaved

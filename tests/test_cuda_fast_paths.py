@@ -755,48 +755,6 @@ def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, 
         assert wg.count == 5, f"expected the five GEMM calls on the wgmma variant, got {wg.count}"
 
 
-# The uint4 x bf16 ring (opt-in by HUMMING_JAX_DECODE_RING=1) against the decode kernel: its unit
-# heights, 16-token MMAs for units of <= 8 rows, the item-major unit order.
-_U4_RING_ENV = {"decode": _NO_RING, "ring": _RING, "ring-128": _WG_ENV["ring-128"], "ring-256": _WG_ENV["ring-256"],
-                "ring-wide": _WG_ENV["ring-wide"], "ring-item": _WG_ENV["ring-item"]}
-
-
-@requires_decode
-@pytest.mark.parametrize("variant", sorted(_U4_RING_ENV))
-@pytest.mark.parametrize("m,k,e,n,kdim,group_k", [(1, 8, 128, 264, 256, 128), (16, 4, 8, 200, 384, 128),
-                                                  (6, 2, 6, 131, 512, 256),  # two stages per scale group
-                                                  (5, 2, 6, 67, 384, 384),  # one group spanning K
-                                                  # more work units than SMs: the ring cycles units
-                                                  (16, 8, 64, 2048, 512, 128)])
-def test_decode_u4_ring_matches_cpu(rng, monkeypatch, variant, m, k, e, n, kdim, group_k):
-    """int4 (offset 8) weights with bf16 group scales and bias x bf16 activations on the ring kernel:
-    the weights converted in registers into the A operand of register-sourced wgmma, the activation
-    rows permuted in shared memory into the same k order; all five decode forms against the CPU."""
-    for name, value in _U4_RING_ENV[variant].items():
-        monkeypatch.setenv(name, value)
-    w = _custom_weight(rng, WeightType.UINT4, e, n, kdim, group_k, ml_dtypes.bfloat16)
-    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    with _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
-        _decode_forms_match_cpu(rng, w, bias, jnp.bfloat16, None, m, k, 9, f"uint4 {variant} M={m} K={kdim}")
-    assert ring.count == (0 if variant == "decode" else 5), f"{variant}: {ring.count} launches of the ring kernel"
-
-
-@requires_decode
-@pytest.mark.parametrize("case", ["fp16-activations", "zero-points", "k-not-128"])
-def test_decode_u4_ring_declines_what_it_cannot_run(rng, monkeypatch, case):
-    """Calls outside the uint4 ring's conditions stay on the decode kernel (and exact) even when the
-    ring is asked for: fp16 activations, zero points, K not a multiple of 128."""
-    monkeypatch.setenv("HUMMING_JAX_DECODE_RING", "1")
-    kdim = 192 if case == "k-not-128" else 256
-    dtype = jnp.float16 if case == "fp16-activations" else jnp.bfloat16
-    scale_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16
-    w = _custom_weight(rng, WeightType.UINT4, 6, 67, kdim, 64 if case == "k-not-128" else 128, scale_dtype,
-                       zero=case == "zero-points")
-    with _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
-        _decode_forms_match_cpu(rng, w, None, dtype, None, 3, 2, 9, f"uint4 {case}")
-    assert ring.count == 0, f"{case}: {ring.count} launches of the ring kernel"
-
-
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
     """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
     return random_packed_weight(rng, wtype, e, n, kdim, group_k, scale_dtype=scale_dtype, fp8_std=2.0, **kw)

@@ -7,8 +7,9 @@
 //  * One CTA per SM, looping over work units (item x slice of 128 T rows of N, T = 1 or 2; one slice
 //    of every item in turn) in a fixed round robin (all units stream the same bytes, so the split
 //    is even); the ring of 10 / T stages runs across units, so the next unit's first stages load
-//    while this one finishes. The host picks T by the last wave: 256-row units where their count fills the SMs'
-//    rounds, 128-row ones where halving the unit evens out the last round (Ring, pick_tiles).
+//    while this one finishes. The host picks T by the last wave: 256-row units where their count
+//    fills the SMs' rounds, 128-row ones where halving the unit evens out the last round (Ring,
+//    pick_tiles).
 //  * A producer warp: per stage one TMA box of 128 T weight rows x 128 k (16 T KB, 128-byte swizzle,
 //    zeros past K and past the expert's N rows) and the item's token rows of the same 128 k by
 //    cp.async (rows gathered through the routing, zeros past the valid rows); both complete one

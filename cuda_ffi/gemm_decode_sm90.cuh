@@ -177,8 +177,6 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Writes of the generic proxy (cp.async, st.shared) become visible to wgmma's reads (async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps a register's value in place across asynchronous wgmma reads or writes (the compiler sees
 // a read and a write here, so it can neither move nor reuse the register before this point).
 __device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }

@@ -704,7 +704,8 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
 _DECODE_RING_LAUNCHES = _ffi.launch_counter("HjDecodeRingLaunches") if GPU is not None else None
 
 # fp8 x fp8 on the decode kernel (HUMMING_JAX_DECODE_RING=0; its K split by the planner or forced to
-# 1 or 2 warp groups, HUMMING_JAX_DECODE_WK), on the persistent ring kernel (HUMMING_JAX_DECODE_RING=1:
+# 1 or 2 warp groups, HUMMING_JAX_DECODE_WK; "staged": activations per K step instead of whole,
+# HUMMING_JAX_DECODE_WHOLE_ACT=0), on the persistent ring kernel (HUMMING_JAX_DECODE_RING=1:
 # TMA weights, wgmma, 128-k stages, so K = 80 is one partial stage; work units of 128 or 256 rows by
 # the host's rule or forced, HUMMING_JAX_RING_ROWS), or by the default choice between the two.
 # Shapes: 1 row per item (B of 8 tokens), up to 16 (B of 16), K = 80 (a partial last chunk column,
@@ -713,6 +714,7 @@ _NO_RING = {"HUMMING_JAX_DECODE_RING": "0"}
 _RING = {"HUMMING_JAX_DECODE_RING": "1"}
 _FP8_ENV = {"default": {}, "decode": _NO_RING, "wk1": {**_NO_RING, "HUMMING_JAX_DECODE_WK": "1"},
             "wk2": {**_NO_RING, "HUMMING_JAX_DECODE_WK": "2"},
+            "staged": {**_NO_RING, "HUMMING_JAX_DECODE_WHOLE_ACT": "0", "HUMMING_JAX_DECODE_WK": "2"},
             "ring": _RING, "ring-128": {**_RING, "HUMMING_JAX_RING_ROWS": "128"},
             "ring-256": {**_RING, "HUMMING_JAX_RING_ROWS": "256"},
             "ring-wide": {**_RING, "HUMMING_JAX_RING_NARROW": "0"},  # 16-token MMAs for every unit

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Per-GEMM times of a sweep_env.py JSON recorded with the device timer (its ``launches_us``): for
 each point and value, GEMM1 and GEMM2 in µs (the mean over the point's input sets) and which
-kernel ran them (decode: the mma.sync decode kernel, decode-wg: its wgmma variant, ring: the fp8
-ring kernel), beside the point's total.
+kernel ran them (decode: the mma.sync decode kernel, ring: the fp8 ring kernel), beside the point's
+total.
 
     python3 benchmarks/sweep_launches.py benchmarks/results/h200/2026-12-03-sweep-decode-fp8-ring.json
 """
@@ -11,20 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from fit_decode_split import is_gemm_launch, per_gemm_times
 
-_DECODE_ARGS = re.compile(r"decode_kernel<(.*?)>\(")
-
 
 def kernel_tag(name: str) -> str:
-    """decode, decode-wg (the decode kernel's sixth template argument, WG, true) or ring."""
-    if "ring_kernel" in name:
-        return "ring"
-    m = _DECODE_ARGS.search(name)
-    args = [a.strip() for a in m.group(1).split(",")] if m else []
-    return "decode-wg" if len(args) == 6 and args[-1] == "true" else "decode"
+    """decode or ring, for a GEMM launch's name (is_gemm_launch)."""
+    return "ring" if "ring_kernel" in name else "decode"
 
 
 def summarize(data: dict) -> list[dict]:

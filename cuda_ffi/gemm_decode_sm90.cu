@@ -14,8 +14,7 @@ namespace decode {
 namespace {
 
 std::atomic<uint64_t> g_launches{0};
-std::atomic<uint64_t> g_wg_launches{0};    // of which the wgmma variant
-std::atomic<uint64_t> g_ring_launches{0};  // ... and the fp8 ring kernel
+std::atomic<uint64_t> g_ring_launches{0};  // of which the fp8 ring kernel
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
@@ -277,34 +276,6 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
     }
   }
 
-  // fp8 weights x fp8 activations on wgmma (Kern::kWG), opt-in: HUMMING_JAX_DECODE_WGMMA=1, where
-  // the split leaves whole warpgroups along N (wk <= 2): activations of 8 * wg_groups token rows
-  // per chunk column in swizzled atoms, whole over K when they fit beside the ring (as above), else
-  // per stage. Exact, but measured 0-5% slower than the mma.sync variant (benchmarks/NOTES.md,
-  // v11l), so not the default. =2 leaves out the async-proxy fence before each stage's barrier
-  // (what the 4-bit prefill mainloop does), for timing only.
-  D.wg_groups = 0;
-  D.wg_fence = 1;
-  const int64_t wg_mode = env_count("HUMMING_JAX_DECODE_WGMMA", 0, 0);
-  if (w.type == WeightType::kFp8E4M3 && ak == ActKind::kFp8 && dq == Deq::kCodes && wk <= 2 &&
-      (wg_mode == 1 || wg_mode == 2)) {
-    D.wg_fence = wg_mode == 1 ? 1 : 0;
-    const int groups = (D.max_rows + 7) / 8;  // max_rows <= 16 for 8-bit activations
-    const int64_t group_bytes = int64_t{groups} * 8 * 64;
-    D.wg_groups = groups;
-    D.act_row_bytes = 0;
-    D.act_stage_bytes = static_cast<int>(wk * group_bytes);
-    D.act_region_bytes = kStages * D.act_stage_bytes;
-    D.whole_row_bytes = 0;
-    D.whole_rows = 0;
-    const int64_t whole = D.nc * group_bytes;
-    const int64_t cap = kSmemPerSm / 2 - kSmemReservedPerCta - int64_t{kStages} * kWStageBytes - kWgAlign;
-    if (env_flag("HUMMING_JAX_DECODE_WHOLE_ACT", true) && whole <= std::max<int64_t>(cap, D.act_region_bytes)) {
-      D.whole_rows = D.max_rows;
-      D.act_region_bytes = static_cast<int>(std::max<int64_t>(D.act_region_bytes, whole));
-    }
-  }
-
   // HUMMING_JAX_DECODE_PRE_PERMUTE=0 keeps the per-MMA-step permutation of whole-mode activations
   // in the 4-bit packed variants (A/B timing).
   D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
@@ -377,20 +348,17 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   }
   *launched = true;
   g_launches.fetch_add(1, std::memory_order_relaxed);
-  if (on_ring)
-    g_ring_launches.fetch_add(1, std::memory_order_relaxed);
-  else if (D.wg_groups)
-    g_wg_launches.fetch_add(1, std::memory_order_relaxed);
+  if (on_ring) g_ring_launches.fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
   if (log && on_ring)
     std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (units of %d rows, items=%d rows<=%d)\n",
                  mode_name(L.mode), D.N, D.K, ring_rows, D.items, D.max_rows);
   else if (log)
     std::fprintf(stderr,
-                 "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s%s, wk=%d bn=%d grid=%ux%u "
+                 "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s, wk=%d bn=%d grid=%ux%u "
                  "items=%d rows<=%d whole<=%d smem=%zu)\n",
-                 mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wg_groups ? "+wgmma" : "",
-                 D.wk, D.bn, pl.grid.x, pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
+                 mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wk, D.bn, pl.grid.x,
+                 pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
   return launch_status(call, on_ring ? "fp8_ring_kernel" : "decode_kernel");
 }
 
@@ -402,12 +370,7 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeLaunches() {
   return hj::decode::g_launches.load(std::memory_order_relaxed);
 }
 
-// Of those, launches of the fp8 x fp8 wgmma variant.
-extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeWgmmaLaunches() {
-  return hj::decode::g_wg_launches.load(std::memory_order_relaxed);
-}
-
-// ... and of the fp8 ring kernel.
+// Of those, launches of the fp8 ring kernel.
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeRingLaunches() {
   return hj::decode::g_ring_launches.load(std::memory_order_relaxed);
 }

@@ -97,8 +97,6 @@ struct DecodeLaunch {
   int whole_row_bytes;      // stride of one activation row held over all of K (whole mode)
   int whole_rows;           // items of at most this many rows hold their activations whole (0: never)
   int pre_permute;          // 1: whole-mode items of 4-bit packed variants pre-permute them (kPrePermute)
-  int wg_groups;            // wgmma variant (fp8 x fp8): 8-token groups of its B operand (1 or 2); 0: mma.sync
-  int wg_fence;             // ... 1: the async-proxy fence before each stage's barrier; 0: none (measurement)
   int est_items;            // work items expected to have rows (the planner's estimate, from shapes)
   int items;                // work items (indexed: blocks; grouped: gemm + zero items; batched: E, as T <= 16)
   int gemm_items;           // grouped: items below this compute, the rest write zero rows
@@ -114,15 +112,9 @@ struct DecodeLaunch {
   FastDiv div_upr, div_gn, div_gather;
 };
 
-// The wgmma variant's shared memory starts at a 1024-byte boundary (its 64-byte swizzle is a
-// function of address bits 4-8): this much slack is added to its launches.
-constexpr int kWgAlign = 1024;
-constexpr int kWgGroupBytes = 8 * 64;  // one 8-row swizzle atom: 8 rows x 64 bytes (one chunk column)
-
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
 inline size_t decode_smem_bytes(const DecodeLaunch& D) {
-  return static_cast<size_t>(kStages) * kWStageBytes + static_cast<size_t>(D.act_region_bytes) +
-         (D.wg_groups ? kWgAlign : 0);
+  return static_cast<size_t>(kStages) * kWStageBytes + static_cast<size_t>(D.act_region_bytes);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -176,8 +168,8 @@ __device__ __forceinline__ void sts128(uint32_t a, uint32_t x0, uint32_t x1, uin
 }
 
 // ---------------------------------------------------------------------------------------------
-// wgmma (sm_90a): the primitives of the fp8 x fp8 variants (e4m3 codes of both operands straight
-// from shared memory: the decode kernel's, the ring kernel's) and of the 4-bit prefill mainloop.
+// wgmma (sm_90a): the primitives of the fp8 ring kernel (e4m3 codes of both operands straight from
+// shared memory) and of the 4-bit prefill mainloop.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -185,26 +177,10 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Writes of the generic proxy (cp.async, st.shared) become visible to wgmma's reads (async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// The four warps of warpgroup `wg` (barrier 0 is __syncthreads).
-__device__ __forceinline__ void wg_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory"); }
 // Keeps a register's value in place across asynchronous wgmma reads or writes (the compiler sees
 // a read and a write here, so it can neither move nor reuse the register before this point).
 __device__ __forceinline__ void fence_reg(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 __device__ __forceinline__ void fence_reg(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
-// Matrix descriptor of a K-major operand with 64-byte swizzle: 8-row atoms of 8 x 64 bytes,
-// kWgGroupBytes apart along M / N (the stride field); the leading-offset field is unused when an
-// instruction's K (32 bytes) lies within the swizzle width. The atoms lie on 512-byte boundaries.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
-  return (static_cast<uint64_t>((kWgGroupBytes >> 4) | (2u << 30)) << 32) | ((addr >> 4) & 0x3fffu) | (1u << 16);
-}
-
-// Byte offset of 16-byte unit j (0..3) of row r in a stack of 8-row, 64-byte-swizzled atoms.
-__device__ __forceinline__ uint32_t wg_swz(int r, int j) {
-  return static_cast<uint32_t>((r >> 3) * kWgGroupBytes + (r & 7) * 64 + ((j ^ ((r >> 1) & 3)) << 4));
-}
 
 // D[64 x 8G] (+)= A[64 x 32] * B[32 x 8G], e4m3 codes, float32 accumulators; acc = 0 overwrites D.
 template <int G>
@@ -358,9 +334,8 @@ __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
 // The kernel. SF: the weight scales are float32 (every 8-bit weight scheme), known at compile time
 // so that the float32 and codes modes read and convert them without a switch on the type. ZP: uint4
 // weights may have zero points (false: none, known at compile time, so no zero-point loads).
-// WG: the fp8 x fp8 variant on wgmma (below); false: mma.sync.
 // ---------------------------------------------------------------------------------------------
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP = true, bool WG = false>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP = true>
 struct Kern {
   static constexpr bool kQ8 = AK == ActKind::kFp8 || AK == ActKind::kI8;
   static constexpr bool kF16 = AK != ActKind::kBF16;  // MMA operand type: f16 (also for 8-bit codes)
@@ -379,18 +354,6 @@ struct Kern {
   // more registers. Packed e2m1 only: 1-2.5% faster there at 1-16 tokens, while packed uint4 was
   // -1% to +1.2% (benchmarks/NOTES.md, v11j) and the other variants would spill.
   static constexpr bool kRowOffsets = DQ == Deq::kPackedFp4;
-  // fp8 weights with fp8 activations on wgmma m64nNk32 (e4m3 x e4m3, both operands in shared
-  // memory): no code conversion and no MMA fragments in registers, where the mma.sync variant
-  // converts every weight and activation code to f16 (sm_90 has no e4m3 mma.sync) and issues as
-  // many instructions per byte as its loop allows (benchmarks/NOTES.md, v11l). The ring keeps its
-  // per-warp copies, placed in 64-byte-swizzled atoms: a warpgroup's four warps hold 128 rows, two
-  // m64 tiles (warps 0-1 and 2-3 of the group), so the planner takes this variant at wk <= 2 only.
-  // The activations of a chunk column are 8 * wg_groups token rows in the same atoms. Warp w of a
-  // group gets rows 64 i + 16 w + g (+ 8) of its group's 128 as accumulators, the mma.sync layout
-  // with another row order (wg_row).
-  static constexpr bool kWG = WG;
-  static_assert(!WG || (WT == WeightType::kFp8E4M3 && AK == ActKind::kFp8 && DQ == Deq::kCodes),
-                "the wgmma variant is fp8 weights x fp8 activations");
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
@@ -431,12 +394,6 @@ struct Kern {
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
   };
 
-  // kWG: the CTA-local weight row of accumulator tile i, half h of lane group g in `warp` (wn its
-  // index along N): row 64 i + 16 (warp & 3) + 8 h + g of its warpgroup's 128 rows.
-  static __device__ __forceinline__ int wg_row(int warp, int wn, int i, int h, int g) {
-    return (wn & ~3) * kRowsPerWarp + i * 64 + (warp & 3) * 16 + 8 * h + g;
-  }
-
   // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
   static __device__ __forceinline__ void issue(const DecodeLaunch& D, const Item& it_, int it, uint8_t* smem,
                                                const int64_t* s_abyte, int wk, int warp, int lane, int tid,
@@ -447,9 +404,11 @@ struct Kern {
     if (c < D.nc) {
       // The lane's part of a last, partial chunk column may lie past K: zero-filled.
       const bool kok = c * kKw + t * kEpc < D.K;
-      // The lane's 16 bytes of rows 8q + g: row-major 64-byte rows, swizzled for wgmma (kWG).
-      const uint32_t dst = smem_addr(smem + slot * kWStageBytes + warp * kWarpStageBytes) +
-                           (kWG ? wg_swz(lane >> 2, t) : static_cast<uint32_t>(lane * 16));
+      // The lane's 16 bytes of rows 8q + g (row-major 64-byte rows). lane * 16 is added to the
+      // shared-memory address, not to the pointer: the latter made ptxas (CUDA 13.0) spill more in
+      // the 8-bit-activation variants with float32 scales (fp8 x fp8: 16 bytes instead of none).
+      const uint32_t dst =
+          smem_addr(smem + slot * kWStageBytes + warp * kWarpStageBytes) + static_cast<uint32_t>(lane * 16);
       if constexpr (kRowOffsets) {
         // the source stays inside the row (column 0) where the column is zero-filled
         const uint8_t* src = it_.wlane + (kok ? static_cast<uint32_t>(c) * kChunkRowBytes : 0u);
@@ -472,22 +431,11 @@ struct Kern {
     if (whole) return;
     const int ks_bytes = D.wk * kKw * kAsz;
     const int upr_log2 = __ffs(ks_bytes / 16) - 1;  // 16-byte units per row (a power of two)
+    const int units = it_.nvalid << upr_log2;
     const uint32_t abase = smem_addr(smem + kStages * kWStageBytes + slot * D.act_stage_bytes);
     const uint8_t* a = static_cast<const uint8_t*>(D.g.p.a.data);
     const int64_t kb_first = static_cast<int64_t>(it) * ks_bytes;  // byte offset of the stage in a row
     const int64_t row_bytes = static_cast<int64_t>(D.K) * kAsz;
-    if constexpr (kWG) {
-      // Chunk column q of the stage (K group q) in wg_groups atoms; rows past nvalid zero-filled.
-      const int gb = D.wg_groups * kWgGroupBytes;
-      for (int u = tid; u < (D.wg_groups * 8) << upr_log2; u += kThreads) {
-        const int r = u >> upr_log2, cu = u & ((1 << upr_log2) - 1);
-        const int64_t kb = kb_first + cu * 16;
-        const bool ok = r < it_.nvalid && kb < row_bytes;
-        cp_async16(abase + (cu >> 2) * gb + wg_swz(r, cu & 3), ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
-      }
-      return;
-    }
-    const int units = it_.nvalid << upr_log2;
     for (int u = tid; u < units; u += kThreads) {
       const int r = u >> upr_log2, cu = u & ((1 << upr_log2) - 1);
       const int64_t kb = kb_first + cu * 16;
@@ -510,23 +458,6 @@ struct Kern {
       const int64_t kb = static_cast<int64_t>(cu) * 16;
       const bool ok = kb < row_bytes;
       cp_async16(abase + r * D.whole_row_bytes + cu * 16, ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
-    }
-  }
-
-  // Whole mode, kWG: chunk column c of the activations at c * wg_groups atoms; rows past nvalid
-  // zero-filled (their columns of the MMA are never stored, and zeros keep them finite).
-  static __device__ __forceinline__ void copy_whole_activations_wg(const DecodeLaunch& D, int nvalid, uint8_t* smem,
-                                                                   const int64_t* s_abyte, int tid) {
-    const int units_per_row = D.nc * 4;
-    const int gb = D.wg_groups * kWgGroupBytes;
-    const uint32_t abase = smem_addr(smem + kStages * kWStageBytes);
-    const uint8_t* a = static_cast<const uint8_t*>(D.g.p.a.data);
-    const int64_t row_bytes = D.K;
-    for (int u = tid; u < D.wg_groups * 8 * units_per_row; u += kThreads) {
-      const int r = static_cast<int>(D.div_upr.div(static_cast<uint32_t>(u))), cu = u - r * units_per_row;
-      const int64_t kb = static_cast<int64_t>(cu) * 16;
-      const bool ok = r < nvalid && kb < row_bytes;
-      cp_async16(abase + (cu >> 2) * gb + wg_swz(r, cu & 3), ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
     }
   }
 
@@ -865,34 +796,15 @@ struct Kern {
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
       if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid, whole);
-      if (st == 0 && whole) {
-        if constexpr (kWG)
-          copy_whole_activations_wg(D, item.nvalid, smem, s_abyte, tid);
-        else
-          copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
-      }
+      if (st == 0 && whole) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
-    // kWG: the MMA's partial sums of one chunk column (overwritten by its first MMA).
-    float wpart[kWG ? kNT : 1][kWG ? 4 * TOKT : 1];
-#pragma unroll
-    for (int i = 0; i < (kWG ? kNT : 1); ++i)
-#pragma unroll
-      for (int r = 0; r < (kWG ? 4 * TOKT : 1); ++r) wpart[i][r] = 0.0f;
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
       // Staged: stage `it` visible to all, stage it - 1 free for the next copies. Whole: once,
-      // for the activations. kWG: wgmma reads what the other warps of the group copied, so each
-      // stage also needs the group's barrier, after this thread's copies are made visible to the
-      // async proxy; every warp of the group waited for its MMAs of stage it - 1 before it.
-      if constexpr (kWG) {
-        if (D.wg_fence) fence_proxy_async();
-      }
-      if (!whole || it == 0)
-        __syncthreads();
-      else if constexpr (kWG)
-        wg_barrier(warp >> 2);
+      // for the activations.
+      if (!whole || it == 0) __syncthreads();
       if constexpr (kPrePermute && kWhole) {
         if (it == 0) {
           permute_whole_activations(D, item.nvalid, smem, tid);
@@ -904,45 +816,7 @@ struct Kern {
       load_scales<TOKT>(D, item, it + 2, wk, lane, s_arow, s2n);
 
       const int c = it * D.wk + wk;
-      if constexpr (kWG) {
-        if (c < D.nc) {  // uniform over the warpgroup (its warps share wk)
-          const int slot = it % kStages;
-          const int gb = D.wg_groups * kWgGroupBytes;
-          // The group's 128 rows: warps 4 (warp >> 2) .. + 3 of the stage, 2 KB each; tile i = two warps.
-          const uint32_t wbase = smem_addr(smem + slot * kWStageBytes + (warp & ~3) * kWarpStageBytes);
-          const uint32_t abase = smem_addr(smem + kStages * kWStageBytes) +
-                                 (whole ? c * gb : slot * D.act_stage_bytes + wk * gb);
-#pragma unroll
-          for (int i = 0; i < kNT; ++i)
-#pragma unroll
-            for (int r = 0; r < 4 * TOKT; ++r) fence_reg(wpart[i][r]);
-          wgmma_fence();
-#pragma unroll
-          for (int i = 0; i < kNT; ++i)
-#pragma unroll
-            for (int kk = 0; kk < 2; ++kk)  // 32 k (bytes) per MMA, two per 64-byte chunk column
-              WgMma<TOKT>::run(wpart[i], wg_desc(wbase + i * 2 * kWarpStageBytes + kk * 32), wg_desc(abase + kk * 32),
-                               kk);
-          wgmma_commit();
-          wgmma_wait<0>();
-#pragma unroll
-          for (int i = 0; i < kNT; ++i)
-#pragma unroll
-            for (int r = 0; r < 4 * TOKT; ++r) fence_reg(wpart[i][r]);
-          // acc += part * a_scale * (w_scale * scale2), as the mma.sync variant per chunk column.
-#pragma unroll
-          for (int i = 0; i < kNT; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float ws = scale_value(D, s0.w[i][h][0]);
-              if (D.g.p.w.scale2) ws = ws * s2;
-#pragma unroll
-              for (int j = 0; j < TOKT; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) acc[i][j][2 * h + e] += wpart[i][4 * j + 2 * h + e] * s0.a[j][e] * ws;
-            }
-        }
-      } else if (c < D.nc) {
+      if (c < D.nc) {
         const int slot = it % kStages;
         const uint8_t* wsm = smem + slot * kWStageBytes + warp * kWarpStageBytes + lane * 16;
         uint32_t w[kNT][2][4];
@@ -1005,7 +879,7 @@ struct Kern {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int tok = 8 * j + 2 * t + (r & 1);
-          const int nl = kWG ? wg_row(warp, wn, i, r >> 1, g) : wn * kRowsPerWarp + i * 16 + g + 8 * (r >> 1);
+          const int nl = wn * kRowsPerWarp + i * 16 + g + 8 * (r >> 1);
           if (tok < item.nvalid) red[(wk * kMaxRows + tok) * bnp + nl] = acc[i][j][r];
         }
     __syncthreads();
@@ -1172,14 +1046,11 @@ __device__ __forceinline__ int64_t indexed_used_rows(const GemmLaunch& L) {
   return used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
 }
 
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP, bool WG>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  using K_ = Kern<WT, AK, DQ, SF, ZP, WG>;
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  // kWG: its swizzled atoms need the ring on a 1024-byte boundary (the host adds kWgAlign bytes).
-  uint8_t* smem = smem_raw;
-  if constexpr (WG) smem = smem_raw + ((kWgAlign - (smem_addr(smem_raw) & (kWgAlign - 1))) & (kWgAlign - 1));
+  using K_ = Kern<WT, AK, DQ, SF, ZP>;
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
   __shared__ int64_t s_abyte[kMaxRows];  // byte offset of each row of a
   __shared__ int s_info[6];  // expert, nvalid, zero rows lo, hi (grouped scan: expert, lo, hi, tile)
@@ -1325,10 +1196,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       for (int i = 0; i < kNT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int64_t n = n_lane + i * 16 + 8 * h;  // the row this lane copies
+          const int64_t n = n_lane + i * 16 + 8 * h;
           const bool ok = n < D.N;
-          // the row of this lane's accumulators (kWG: another order, wg_row)
-          const int64_t ns = K_::kWG ? n0 + K_::wg_row(warp, wn, i, h, lane >> 2) : n;
           if constexpr (K_::kRowOffsets)  // < 24 rows apart; the host keeps 24 rows below 2^31 bytes
             it_.roff[i * 2 + h] =
                 static_cast<uint32_t>((min(n, static_cast<int64_t>(D.N) - 1) - n_first) * D.w_row_bytes);
@@ -1336,8 +1205,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
             it_.row_ok |= ok ? 1u << (i * 2 + h) : 0u;
           it_.srow[i][h] = 0u;
           if constexpr (WT != WeightType::kFloat) {
-            if (ns < D.N)
-              it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(static_cast<uint32_t>(ns))) *
+            if (ok)
+              it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(static_cast<uint32_t>(n))) *
                                L.scale_cols;
           }
         }
@@ -1349,13 +1218,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         else
           K_::template run<T, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
       };
-      if constexpr (K_::kWG) {
-        // One B width per launch: the activation layout holds wg_groups atoms per chunk column.
-        if (D.wg_groups == 1)
-          K_::template run<1, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
-        else
-          K_::template run<2, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
-      } else if (nvalid <= 8)
+      if (nvalid <= 8)
         run_tiles(std::integral_constant<int, 1>{});
       else if (nvalid <= 16)
         run_tiles(std::integral_constant<int, 2>{});
@@ -1411,9 +1274,9 @@ bool raise_smem_limit_once(Kernel kernel, int bytes, bool max_carveout, unsigned
   return true;
 }
 
-template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true, bool WG = false>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true>
 bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP, WG>;
+  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP>;
   static unsigned configured = 0;
   // A failure stays in cudaGetLastError, which the caller's launch check reports; no launch then.
   if (!raise_smem_limit_once(kernel, kMaxDynamicSmem, true, configured)) return true;

@@ -1,5 +1,4 @@
-// Decode GEMM kernels for fp8 e4m3 weights (per-tensor, per-channel, 128x128 blocks); with fp8
-// activations also the wgmma variant (DecodeLaunch::wg_groups).
+// Decode GEMM kernels for fp8 e4m3 weights (per-tensor, per-channel, 128x128 blocks).
 #include "gemm_decode_sm90.cuh"
 
 namespace hj {
@@ -16,10 +15,6 @@ bool launch_family<WeightType::kFp8E4M3>(const DecodeLaunch& D, ActKind ak, Deq 
     return launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32, true>(D, grid, smem, stream);
   else if (ak == ActKind::kF16 && dq == Deq::kF32 && !f32_scales)
     return launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
-  else if (ak == ActKind::kFp8 && dq == Deq::kCodes && D.wg_groups && f32_scales)
-    return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, true, true, true>(D, grid, smem, stream);
-  else if (ak == ActKind::kFp8 && dq == Deq::kCodes && D.wg_groups && !f32_scales)
-    return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, false, true, true>(D, grid, smem, stream);
   else if (ak == ActKind::kFp8 && dq == Deq::kCodes && f32_scales)
     return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, true>(D, grid, smem, stream);
   else if (ak == ActKind::kFp8 && dq == Deq::kCodes && !f32_scales)

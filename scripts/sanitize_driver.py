@@ -138,8 +138,7 @@ def main() -> None:
         cnt = jnp.asarray([0, 6, 3, 9], jnp.int32)
         run(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c), jnp.zeros_like(xb), xb,
             wts, cnt)
-    counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeWgmmaLaunches", "HjDecodeRingLaunches",
-                                                      "HjPrefillLaunches")
+    counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches", "HjPrefillLaunches")
               for fn in [hj._ffi.launch_counter(name)]}
     print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")
 

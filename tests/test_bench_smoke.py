@@ -338,25 +338,27 @@ def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
 def test_sweep_launches_splits_gemms_and_names_the_kernels(capsys):
     """sweep_launches.py on a made-up device-timer sweep: two input sets per call, each GEMM1 (a
     GEMM launch followed by the activation) and GEMM2; the kernel of each value named from the
-    trace's names (mma.sync decode kernel, its wgmma variant, the fp8 ring kernel)."""
+    trace's names (the mma.sync decode kernel, the fp8 ring kernel, or both in one call; the
+    quantization and activation kernels named by neither)."""
     import sweep_launches as sl
 
     mma = ("void hj::decode::decode_kernel<(hj::WeightType)3, (hj::decode::ActKind)2, (hj::decode::Deq)4, "
-           "true, true, false>(hj::decode::DecodeLaunch)")
-    wg = mma.replace("true, true, false>", "true, true, true>")
+           "true, true>(hj::decode::DecodeLaunch)")
     ring = "hj::decode::(anonymous namespace)::fp8_ring_kernel(hj::decode::(anonymous namespace)::RingLaunch)"
     act, quant = "void hj::activation_kernel<1>(...)", "void hj::group_quant_vec_kernel<1, 4, 16>(...)"
 
-    def call(k, g1, g2):  # quantize, GEMM1, activation, GEMM2 of two input sets, interleaved
-        return [[quant, 2.0], [quant, 2.1], [k, g1[0]], [act, 3.0], [k, g1[1]], [act, 3.1], [k, g2[0]], [k, g2[1]]]
+    def call(k1, g1, g2, k2=None):  # quantize, GEMM1, activation, GEMM2 of two input sets, interleaved
+        k2 = k2 or k1
+        return [[quant, 2.0], [quant, 2.1], [k1, g1[0]], [act, 3.0], [k1, g1[1]], [act, 3.1], [k2, g2[0]],
+                [k2, g2[1]]]
 
     data = {"rows": [{"shape": "qwen3-30b-a3b", "format": "w8a8-fp8-block128", "M": 16, "sets": 2,
                       "ms": {"unset": 0.12, "1": 0.11, "2": 0.13},
                       "launches_us": {"unset": call(mma, (70.0, 72.0), (44.0, 46.0)),
                                       "1": call(ring, (66.0, 68.0), (40.0, 41.0)),
-                                      "2": call(wg, (73.0, 73.0), (48.0, 50.0))}}]}
+                                      "2": call(ring, (73.0, 73.0), (48.0, 50.0), mma)}}]}
     got = {e["value"]: e for e in sl.summarize(data)}
     assert got["unset"]["gemm1_us"] == 71.0 and got["unset"]["gemm2_us"] == 45.0
     assert got["1"]["gemm1_us"] == 67.0 and got["1"]["gemm2_us"] == 40.5
-    assert [got[v]["kernels"] for v in ("unset", "1", "2")] == ["decode", "ring", "decode-wg"]
+    assert [got[v]["kernels"] for v in ("unset", "1", "2")] == ["decode", "ring", "decode+ring"]
     assert got["2"]["gemm2_us"] == 49.0 and got["1"]["ms"] == 0.11

@@ -914,14 +914,18 @@ struct Kern {
   }
 };
 
-// Rows [lo, hi) of c over the CTA's N slice become zeros.
-__device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int64_t hi, int64_t n0) {
+// Rows [lo, hi) of c over kWidth columns from n0 (0: the CTA's N slice, D.bn; clipped to N) become
+// zeros, written by kN threads, this one the `first`-th (the decode kernel: all its threads; the
+// ring kernel: a work unit's consumer threads). Both as template arguments: immediates, as the
+// decode kernel's scheduling was tuned with.
+template <int kN, int kWidth = 0>
+__device__ __forceinline__ void zero_rows(const DecodeLaunch& D, int64_t lo, int64_t hi, int64_t n0, uint32_t first) {
   if (hi <= lo) return;
   uint16_t* cout = static_cast<uint16_t*>(D.g.p.c);
   const int64_t N = D.N;
-  const int64_t n_end = min(N, n0 + D.bn);
+  const int64_t n_end = min(N, n0 + (kWidth ? kWidth : D.bn));
   const int64_t cols = n_end - n0;
-  for (int64_t idx = threadIdx.x; idx < (hi - lo) * cols; idx += kThreads) {
+  for (int64_t idx = first; idx < (hi - lo) * cols; idx += kN) {
     const int64_t r = lo + idx / cols, n = n0 + idx % cols;
     cout[r * N + n] = 0;
   }
@@ -1019,22 +1023,20 @@ __device__ __forceinline__ void find_item(const DecodeLaunch& D, int item, int l
       s_info[3] = static_cast<int>(zh);
     }
   } else {
-    const int expert = item;  // T <= kItemRows (host-checked): one item per expert
-    const int64_t t0 = 0;
+    const int expert = item;  // T <= kItemRows (host-checked): one item per expert, rows from 0
     int64_t cnt = L.counts[expert];
     cnt = cnt < 0 ? 0 : (cnt > L.T ? L.T : cnt);
-    const int64_t t_end = min(L.T, t0 + kItemRows);
-    const int64_t hi_valid = cnt < t_end ? cnt : t_end;
-    const int nvalid = hi_valid > t0 ? static_cast<int>(hi_valid - t0) : 0;
+    const int64_t t_end = min(L.T, static_cast<int64_t>(kItemRows));
+    const int nvalid = static_cast<int>(cnt < t_end ? cnt : t_end);
     if (lane < nvalid) {
-      s_arow[lane] = static_cast<int32_t>(expert * L.T + t0 + lane);
+      s_arow[lane] = static_cast<int32_t>(expert * L.T + lane);
       s_crow[lane] = s_arow[lane];
     }
     if (lane == 0) {
       s_info[0] = expert;
       s_info[1] = nvalid;
       // Rows past the count are written as zeros.
-      s_info[2] = static_cast<int>(expert * L.T + max(cnt, t0));
+      s_info[2] = static_cast<int>(expert * L.T + cnt);
       s_info[3] = static_cast<int>(expert * L.T + t_end);
     }
   }
@@ -1225,7 +1227,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       else if constexpr (K_::kWideItems)
         run_tiles(std::integral_constant<int, 4>{});
     }
-    zero_rows(D, zlo, zhi, n0);
+    zero_rows<kThreads>(D, zlo, zhi, n0, threadIdx.x);
     __syncthreads();  // shared memory is reused by the next item
   }
 #else

@@ -304,12 +304,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
                         cg, wq, lane, stage);
       }
       // Rows [zlo, zhi) of the slice are zeros (grouped rows past the last expert, batched rows past a count).
-      if (zhi > zlo) {
-        uint16_t* cout = static_cast<uint16_t*>(L.p.c);
-        const int64_t N = D.N, cols = min(N, n0 + kRingRows) - n0;
-        for (int64_t idx = tid - 128; idx < (zhi - zlo) * cols; idx += kRingThreads - 128)
-          cout[(zlo + idx / cols) * N + n0 + idx % cols] = 0;
-      }
+      zero_rows<kRingThreads - 128, kRingRows>(D, zlo, zhi, n0, static_cast<uint32_t>(tid - 128));
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_info_empty + 8 * q);
     }

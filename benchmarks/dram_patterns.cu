@@ -26,6 +26,11 @@
 #include <string>
 #include <vector>
 
+#include "../cuda_ffi/mbarrier_sm90.cuh"
+
+using hj::mbar_arrive_expect_tx;
+using hj::mbar_wait;
+
 #define CHECK(x)                                                                        \
   do {                                                                                  \
     cudaError_t e_ = (x);                                                               \
@@ -38,20 +43,6 @@
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void mbar_init(uint32_t a) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(uint32_t a, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(a), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t a, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(a),
-      "r"(parity)
-      : "memory");
-}
-
 constexpr int kMaxStages = 12;
 
 // One thread per CTA: request i goes to slot i % S; before reusing a slot, wait for its previous
@@ -65,7 +56,7 @@ __global__ void tma_stream(const __grid_constant__ CUtensorMap map, int units, i
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ __align__(8) uint64_t bars[kMaxStages];
   if (threadIdx.x != 0) return;
-  for (int s = 0; s < stages; ++s) mbar_init(smem_u32(&bars[s]));
+  for (int s = 0; s < stages; ++s) hj::mbar_init(smem_u32(&bars[s]), 1);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   const uint32_t stage_bytes = static_cast<uint32_t>(box_rows) * box_cols;
   int64_t issued = 0;
@@ -84,7 +75,7 @@ __global__ void tma_stream(const __grid_constant__ CUtensorMap map, int units, i
         if (last == 0u)
           atomicAdd(zeros, 1u);
       }
-      mbar_expect(bar, stage_bytes);
+      mbar_arrive_expect_tx(bar, stage_bytes);
       const uint32_t dst = ((smem_u32(smem) + 1023u) & ~1023u) + static_cast<uint32_t>(s) * stage_bytes;
       if (mode == 1) {
         const uint8_t* src = base + (static_cast<int64_t>(u) * reqs_per_unit + r) * bulk_bytes;

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "gemm_decode_sm90.cuh"
+#include "mbarrier_sm90.cuh"
 
 namespace hj {
 namespace decode {
@@ -59,23 +60,6 @@ struct RingLaunch {
   int narrow;       // 1: units of at most 8 rows take the 8-token MMA in a launch of 16-token groups
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t a, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t a) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t a, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(a), "r"(bytes)
-               : "memory");
-}
-// Waits for the completion of the phase of parity `parity` (a fresh barrier counts parity 1 as done).
-__device__ __forceinline__ void mbar_wait(uint32_t a, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(a),
-      "r"(parity)
-      : "memory");
-}
 // One arrival once this thread's earlier cp.async copies have landed (counted in the init count).
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t a) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(a) : "memory");

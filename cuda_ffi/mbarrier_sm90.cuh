@@ -1,0 +1,27 @@
+// mbarrier operations of sm_90 on shared::cta addresses (32-bit shared-window addresses), for
+// the producer/consumer rings (gemm_decode_sm90_fp8_ring.cu; benchmarks/dram_patterns.cu).
+#pragma once
+
+#include <cstdint>
+
+namespace hj {
+
+__device__ __forceinline__ void mbar_init(uint32_t a, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t a) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t a, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(a), "r"(bytes)
+               : "memory");
+}
+// Waits for the completion of the phase of parity `parity` (a fresh barrier counts parity 1 as done).
+__device__ __forceinline__ void mbar_wait(uint32_t a, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(a),
+      "r"(parity)
+      : "memory");
+}
+
+}  // namespace hj

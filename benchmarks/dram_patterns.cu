@@ -10,6 +10,9 @@
 //   ldgsts wn x wk  the decode kernel's copies: 8 warps per CTA, two CTAs per SM; each warp moves 32
 //                   rows x 64 bytes per stage with cp.async (16 bytes per lane and row, L2 256-byte
 //                   prefetch), four stages; wn warps side by side over rows, wk over K
+//   cp.async RxC / S by W warps
+//                   persistent, the ring's stages (R rows x 128 bytes) filled by cp.async from W
+//                   warps (the ring's producer: one warp; its warpgroup: four)
 //   ld.v4           every thread reads 16-byte vectors in a grid-stride loop (the plain read rate)
 //   memcpy          cudaMemcpyAsync device to device, counted as read + write bytes
 // Build (sm_90a) and run:
@@ -140,6 +143,42 @@ __global__ void __launch_bounds__(256, 2) ldgsts_stream(const uint8_t* w, int64_
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the reads
+}
+
+// The ring's stages (R rows x 128 bytes of K, S of them) filled by cp.async from `warps` copying
+// warps of a persistent CTA (one per SM), instead of one thread's TMA: each thread copies its
+// share of a stage's 16-byte chunks and arrives on the stage's barrier when they land (init count:
+// all copying threads); before reusing a slot every thread waits for its previous fill.
+__global__ void cp_stream(const uint8_t* w, int64_t kb, int units, int box_rows, int stages) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  __shared__ __align__(8) uint64_t bars[kMaxStages];
+  const int tid = threadIdx.x, nthreads = blockDim.x;
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) hj::mbar_init(smem_u32(&bars[s]), nthreads);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const uint32_t stage_bytes = static_cast<uint32_t>(box_rows) * 128;
+  const int reqs = static_cast<int>(kb / 128), chunks = box_rows * 8;
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  int64_t issued = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const uint8_t* rows = w + static_cast<int64_t>(u) * box_rows * kb;
+    for (int r = 0; r < reqs; ++r, ++issued) {
+      const int s = static_cast<int>(issued % stages);
+      const uint32_t bar = smem_u32(&bars[s]);
+      if (issued >= stages) mbar_wait(bar, static_cast<uint32_t>((issued / stages - 1) & 1));
+      for (int c = tid; c < chunks; c += nthreads) {  // chunk c: row c / 8, 16 bytes c % 8
+        const uint8_t* src = rows + static_cast<int64_t>(c >> 3) * kb + r * 128 + (c & 7) * 16;
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(base + s * stage_bytes + c * 16),
+                     "l"(src)
+                     : "memory");
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+    }
+  }
+  for (int64_t i = issued > stages ? issued - stages : 0; i < issued; ++i)
+    mbar_wait(smem_u32(&bars[i % stages]), static_cast<uint32_t>((i / stages) & 1));
 }
 
 __global__ void ldv4_stream(const uint4* w, int64_t n, uint32_t* sink) {
@@ -302,6 +341,15 @@ int main(int argc, char** argv) {
   report("ldgsts 1x8", bytes, time_median([&] { ldgsts_stream<1><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 32), sink); }, passes));
   report("ldgsts 2x4", bytes, time_median([&] { ldgsts_stream<2><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 64), sink); }, passes));
   report("ldgsts 4x2", bytes, time_median([&] { ldgsts_stream<4><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 128), sink); }, passes));
+  CHECK(cudaFuncSetAttribute(cp_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+  for (int r : {128, 256}) {
+    for (int nw : {1, 2, 4}) {
+      const int st = r == 128 ? 10 : 5;  // the ring's stages: 160 KB in flight
+      const size_t smem = static_cast<size_t>(st) * r * 128 + 1024;
+      report("cp.async " + std::to_string(r) + "x128 / " + std::to_string(st) + " by " + std::to_string(nw) + " warps",
+             bytes, time_median([&] { cp_stream<<<sms, 32 * nw, smem>>>(w, kb, static_cast<int>(rows / r), r, st); }, passes));
+    }
+  }
   std::printf("\n]}\n");
   CHECK(cudaFree(w));
   CHECK(cudaFree(w2));

@@ -48,6 +48,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 constexpr int kMaxStages = 12;
 
+// Waits until request i of a ring of `stages` slots (bars[i % stages]) has landed.
+__device__ __forceinline__ void wait_fill(const uint64_t* bars, int64_t i, int stages) {
+  mbar_wait(smem_u32(&bars[i % stages]), static_cast<uint32_t>((i / stages) & 1));
+}
+
 // One thread per CTA: request i goes to slot i % S; before reusing a slot, wait for its previous
 // request. Units (row blocks over all of K, or contiguous runs) go round robin over the CTAs.
 // Requests per unit: K / box_cols; box (rows, cols) in bytes, esz the tensor map's element bytes.
@@ -71,7 +76,7 @@ __global__ void tma_stream(const __grid_constant__ CUtensorMap map, int units, i
       const int s = static_cast<int>(issued % stages);
       const uint32_t bar = smem_u32(&bars[s]);
       if (issued >= stages) {
-        mbar_wait(bar, static_cast<uint32_t>((issued / stages - 1) & 1));
+        wait_fill(bars, issued - stages, stages);
         // The buffer holds no zero byte: a zero here is a box past the matrix (TMA zero fill).
         uint32_t last;
         asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(last) : "r"(((smem_u32(smem) + 1023u) & ~1023u) + (s + 1) * stage_bytes - 4));
@@ -96,16 +101,12 @@ __global__ void tma_stream(const __grid_constant__ CUtensorMap map, int units, i
       } else {  // 3D views of 128-byte k blocks: (128, rows, blocks) or (128, blocks, rows)
         const int kb = r * box_cols / 128, row = u * box_rows;
         const int c1 = mode == 2 ? row : kb, c2 = mode == 2 ? kb : row;
-        asm volatile(
-            "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-                dst),
-            "l"(reinterpret_cast<uint64_t>(&map)), "r"(0), "r"(c1), "r"(c2), "r"(bar)
-            : "memory");
+        hj::tma_load_3d(dst, &map, 0, c1, c2, bar);
       }
     }
   }
   for (int64_t i = issued > stages ? issued - stages : 0; i < issued; ++i)
-    mbar_wait(smem_u32(&bars[i % stages]), static_cast<uint32_t>((i / stages) & 1));
+    wait_fill(bars, i, stages);
 }
 
 // The decode kernel's copy pattern: warp (wn, wk) of a CTA moves rows [32 wn, 32 wn + 32) of the
@@ -167,18 +168,18 @@ __global__ void cp_stream(const uint8_t* w, int64_t kb, int units, int box_rows,
     for (int r = 0; r < reqs; ++r, ++issued) {
       const int s = static_cast<int>(issued % stages);
       const uint32_t bar = smem_u32(&bars[s]);
-      if (issued >= stages) mbar_wait(bar, static_cast<uint32_t>((issued / stages - 1) & 1));
+      if (issued >= stages) wait_fill(bars, issued - stages, stages);
       for (int c = tid; c < chunks; c += nthreads) {  // chunk c: row c / 8, 16 bytes c % 8
         const uint8_t* src = rows + static_cast<int64_t>(c >> 3) * kb + r * 128 + (c & 7) * 16;
         asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(base + s * stage_bytes + c * 16),
                      "l"(src)
                      : "memory");
       }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+      hj::cp_async_mbar_arrive(bar);
     }
   }
   for (int64_t i = issued > stages ? issued - stages : 0; i < issued; ++i)
-    mbar_wait(smem_u32(&bars[i % stages]), static_cast<uint32_t>((i / stages) & 1));
+    wait_fill(bars, i, stages);
 }
 
 __global__ void ldv4_stream(const uint4* w, int64_t n, uint32_t* sink) {

@@ -60,18 +60,6 @@ struct RingLaunch {
   int narrow;       // 1: units of at most 8 rows take the 8-token MMA in a launch of 16-token groups
 };
 
-// One arrival once this thread's earlier cp.async copies have landed (counted in the init count).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t a) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-          dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-
 // Matrix descriptor of a K-major operand with 128-byte swizzle: 8-row atoms of 8 x 128 bytes, 1024
 // bytes apart (the stride field); the leading-offset field is unused (an MMA's 32 k lie in a row).
 __device__ __forceinline__ uint64_t desc128(uint32_t addr) {

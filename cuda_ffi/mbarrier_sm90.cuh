@@ -1,6 +1,9 @@
-// mbarrier operations of sm_90 on shared::cta addresses (32-bit shared-window addresses), for
-// the producer/consumer rings (gemm_decode_sm90_fp8_ring.cu; benchmarks/dram_patterns.cu).
+// mbarrier operations of sm_90 on shared::cta addresses (32-bit shared-window addresses), and the
+// copies that complete on an mbarrier, for the producer/consumer rings
+// (gemm_decode_sm90_fp8_ring.cu; benchmarks/dram_patterns.cu).
 #pragma once
+
+#include <cuda.h>
 
 #include <cstdint>
 
@@ -21,6 +24,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t a, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT;\n}\n" ::"r"(a),
       "r"(parity)
+      : "memory");
+}
+
+// One arrival once this thread's earlier cp.async copies have landed (counted in the init count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t a) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
 

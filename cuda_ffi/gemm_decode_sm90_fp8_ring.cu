@@ -117,6 +117,9 @@ __device__ __forceinline__ void consume(const RingLaunch& R, uint32_t wring, uin
       for (int e = 0; e < 2; ++e) as[j][e] = __ldg(L.p.a.scale + abase[j][e] + ak);
 
     mbar_wait(bar_full + 8 * s, ph);
+    // The stage's token rows were written by cp.async (the generic proxy); the wgmma reads them
+    // through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     const uint32_t wst = wring + s * Ring<T>::kWBytes + cg * 64 * T * kRingK, ast = aring + s * kRingABytes;
 #pragma unroll
     for (int i = 0; i < T; ++i)

@@ -339,9 +339,13 @@ int main(int argc, char** argv) {
   CHECK(cudaFuncSetAttribute(ldgsts_stream<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, lsm));
   CHECK(cudaFuncSetAttribute(ldgsts_stream<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, lsm));
   CHECK(cudaFuncSetAttribute(ldgsts_stream<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, lsm));
-  report("ldgsts 1x8", bytes, time_median([&] { ldgsts_stream<1><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 32), sink); }, passes));
-  report("ldgsts 2x4", bytes, time_median([&] { ldgsts_stream<2><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 64), sink); }, passes));
-  report("ldgsts 4x2", bytes, time_median([&] { ldgsts_stream<4><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 128), sink); }, passes));
+  // A stage spans 64 x (8 / wn) bytes of K: narrower rows would read nothing.
+  if (kb % 512 == 0)
+    report("ldgsts 1x8", bytes, time_median([&] { ldgsts_stream<1><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 32), sink); }, passes));
+  if (kb % 256 == 0)
+    report("ldgsts 2x4", bytes, time_median([&] { ldgsts_stream<2><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 64), sink); }, passes));
+  if (kb % 128 == 0)
+    report("ldgsts 4x2", bytes, time_median([&] { ldgsts_stream<4><<<grid, 256, lsm>>>(w, kb, static_cast<int>(rows / 128), sink); }, passes));
   CHECK(cudaFuncSetAttribute(cp_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   for (int r : {128, 256}) {
     for (int nw : {1, 2, 4}) {

@@ -17,7 +17,7 @@
 //   memcpy          cudaMemcpyAsync device to device, counted as read + write bytes
 // Build (sm_90a) and run:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o build/dram_patterns benchmarks/dram_patterns.cu
-//   build/dram_patterns [Kb=4096] [MB=1024] > dram_patterns.json
+//   build/dram_patterns [Kb=4096] [MB=1024] [CTAs per persistent pattern = SMs] > dram_patterns.json
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -236,6 +236,9 @@ int main(int argc, char** argv) {
   const int64_t rows = (mb << 20) / kb / 256 * 256, bytes = rows * kb;
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // Persistent patterns run one CTA on each of `ctas` SMs (default all): fewer show the rate one
+  // SM reaches when the others idle, as in a launch with fewer work units than SMs.
+  const int ctas = argc > 3 ? std::max(1, std::min(sms, std::atoi(argv[3]))) : sms;
   uint8_t *w = nullptr, *w2 = nullptr;
   uint32_t* sink = nullptr;
   CHECK(cudaMalloc(&w, bytes));
@@ -245,8 +248,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(sink, 0, 4));
   CHECK(cudaFuncSetAttribute(tma_stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
   const int passes = 10;
-  std::printf("{\"kb\": %lld, \"rows\": %lld, \"bytes\": %lld, \"sms\": %d, \"passes\": %d, \"points\": [\n",
-              static_cast<long long>(kb), static_cast<long long>(rows), static_cast<long long>(bytes), sms, passes);
+  std::printf("{\"kb\": %lld, \"rows\": %lld, \"bytes\": %lld, \"sms\": %d, \"ctas\": %d, \"passes\": %d, \"points\": [\n",
+              static_cast<long long>(kb), static_cast<long long>(rows), static_cast<long long>(bytes), sms, ctas, passes);
   bool first = true;
   // TMA patterns count the boxes that arrived zero-filled in sink[0] (must stay 0).
   auto report = [&](const std::string& name, double moved, double sec) {
@@ -261,7 +264,7 @@ int main(int argc, char** argv) {
 
   report("memcpy (read + write)", 2.0 * bytes,
          time_median([&] { CHECK(cudaMemcpyAsync(w2, w, bytes, cudaMemcpyDeviceToDevice)); }, passes));
-  report("ld.v4", bytes, time_median([&] { ldv4_stream<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink); }, passes));
+  report("ld.v4", bytes, time_median([&] { ldv4_stream<<<ctas * 8, 512>>>(reinterpret_cast<const uint4*>(w), bytes / 16, sink); }, passes));
 
   auto encode = encoder();
   struct Box {
@@ -292,7 +295,7 @@ int main(int argc, char** argv) {
     const int units = static_cast<int>(rows / b.r), reqs = static_cast<int>(kb / b.c);
     const size_t smem = static_cast<size_t>(b.s) * b.r * b.c + 1024;
     const double sec = time_median(
-        [&] { tma_stream<<<sms, 32, smem>>>(map, units, reqs, b.r, b.c, esz, b.s, w, 0, 0, sink, b.balanced); }, passes);
+        [&] { tma_stream<<<ctas, 32, smem>>>(map, units, reqs, b.r, b.c, esz, b.s, w, 0, 0, sink, b.balanced); }, passes);
     report("tma " + std::to_string(b.r) + "x" + std::to_string(b.c) + " / " + std::to_string(b.s) + (b.balanced ? " bal" : ""),
            bytes, sec);
   }
@@ -302,23 +305,26 @@ int main(int argc, char** argv) {
       const int units = static_cast<int>(bytes / c / 8), reqs = 8;  // 8 contiguous runs per unit
       CUtensorMap none{};
       const double sec = time_median(
-          [&] { tma_stream<<<sms, 32, static_cast<size_t>(c) * s + 1024>>>(none, units, reqs, 1, c, 1, s, w, c, 1, sink, 0); }, passes);
+          [&] { tma_stream<<<ctas, 32, static_cast<size_t>(c) * s + 1024>>>(none, units, reqs, 1, c, 1, s, w, c, 1, sink, 0); }, passes);
       report("bulk " + std::to_string(c) + " / " + std::to_string(s), static_cast<double>(units) * reqs * c, sec);
     }
   }
-  // The ring's 128-byte-swizzled tiles of 128 k, four per request (512 contiguous bytes per row).
+  // The ring's 128-byte-swizzled tiles of 128 k, `nb` of them per request (128 nb contiguous bytes
+  // per row): 2-tile requests are a ring stage of two scale blocks, 4-tile ones of four.
   struct Box3 {
-    int r, s, mode;
+    int r, s, mode, nb;
   };
-  for (const Box3& b : {Box3{64, 6, 2}, Box3{128, 3, 2}, Box3{64, 6, 3}, Box3{128, 3, 3}}) {
-    if (kb % 512) continue;
+  for (const Box3& b : {Box3{128, 5, 2, 2}, Box3{256, 3, 2, 2}, Box3{64, 6, 2, 4}, Box3{128, 3, 2, 4},
+                        Box3{64, 6, 3, 4}, Box3{128, 3, 3, 4}}) {
+    const int64_t req_bytes = 128 * b.nb;
+    if (kb % req_bytes) continue;
     CUtensorMap map{};
     const cuuint64_t nb = static_cast<cuuint64_t>(kb / 128), nr = static_cast<cuuint64_t>(rows);
     const cuuint64_t dims[3] = {128, b.mode == 2 ? nr : nb, b.mode == 2 ? nb : nr};
     const cuuint64_t strides[2] = {b.mode == 2 ? static_cast<cuuint64_t>(kb) : 128u,
                                    b.mode == 2 ? 128u : static_cast<cuuint64_t>(kb)};
-    const cuuint32_t box[3] = {128, b.mode == 2 ? static_cast<cuuint32_t>(b.r) : 4u,
-                               b.mode == 2 ? 4u : static_cast<cuuint32_t>(b.r)};
+    const cuuint32_t box[3] = {128, b.mode == 2 ? static_cast<cuuint32_t>(b.r) : static_cast<cuuint32_t>(b.nb),
+                               b.mode == 2 ? static_cast<cuuint32_t>(b.nb) : static_cast<cuuint32_t>(b.r)};
     const cuuint32_t estr[3] = {1, 1, 1};
     const CUresult res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, w, dims, strides, box, estr,
                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -327,15 +333,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "3D tensor map %d rows mode %d: error %d\n", b.r, b.mode, static_cast<int>(res));
       continue;
     }
-    const int units = static_cast<int>(rows / b.r), reqs = static_cast<int>(kb / 512);
-    const size_t smem = static_cast<size_t>(b.s) * b.r * 512 + 1024;
+    const int units = static_cast<int>(rows / b.r), reqs = static_cast<int>(kb / req_bytes);
+    const size_t smem = static_cast<size_t>(b.s) * b.r * req_bytes + 1024;
     const double sec = time_median(
-        [&] { tma_stream<<<sms, 32, smem>>>(map, units, reqs, b.r, 512, 1, b.s, w, 0, b.mode, sink, 0); }, passes);
-    report(std::string(b.mode == 2 ? "tma3d blocks outer " : "tma3d blocks inner ") + std::to_string(b.r) + "x512 / " +
-               std::to_string(b.s),
+        [&] { tma_stream<<<ctas, 32, smem>>>(map, units, reqs, b.r, static_cast<int>(req_bytes), 1, b.s, w, 0, b.mode, sink, 0); },
+        passes);
+    report(std::string(b.mode == 2 ? "tma3d blocks outer " : "tma3d blocks inner ") + std::to_string(b.r) + "x" +
+               std::to_string(req_bytes) + " / " + std::to_string(b.s),
            bytes, sec);
   }
-  const int grid = 2 * sms, lsm = 4 * 8 * 2048;
+  const int grid = 2 * ctas, lsm = 4 * 8 * 2048;
   CHECK(cudaFuncSetAttribute(ldgsts_stream<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, lsm));
   CHECK(cudaFuncSetAttribute(ldgsts_stream<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, lsm));
   CHECK(cudaFuncSetAttribute(ldgsts_stream<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, lsm));
@@ -352,7 +359,7 @@ int main(int argc, char** argv) {
       const int st = r == 128 ? 10 : 5;  // the ring's stages: 160 KB in flight
       const size_t smem = static_cast<size_t>(st) * r * 128 + 1024;
       report("cp.async " + std::to_string(r) + "x128 / " + std::to_string(st) + " by " + std::to_string(nw) + " warps",
-             bytes, time_median([&] { cp_stream<<<sms, 32 * nw, smem>>>(w, kb, static_cast<int>(rows / r), r, st); }, passes));
+             bytes, time_median([&] { cp_stream<<<ctas, 32 * nw, smem>>>(w, kb, static_cast<int>(rows / r), r, st); }, passes));
     }
   }
   std::printf("\n]}\n");

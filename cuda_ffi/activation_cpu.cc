@@ -5,6 +5,7 @@
 
 #include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "quantize_cpu.h"
 
 namespace hj {
 namespace {
@@ -81,17 +82,21 @@ Error QuantizeCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int
   HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &R, &K));
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, R, K, group_k, &kind));
-  const ElemType t = elem_type_of(x.element_type());
-  float* sc = static_cast<float*>(scale->untyped_data());
-  parallel_for(R, K * 4, [&](int64_t r) {
-    std::vector<float> v(static_cast<size_t>(K));
-    for (int64_t k = 0; k < K; ++k) v[k] = load_elem(t, x.untyped_data(), r * K + k);
-    quantize_row(kind, v.data(), K, group_k, r, q->untyped_data(), sc);
-  });
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), R, K, group_k, kind, q->untyped_data(),
+                    static_cast<float*>(scale->untyped_data()));
   return Error::Success();
 }
 
 }  // namespace
+
+void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t K, int64_t group_k, ActQuant kind, void* q,
+                       float* scale) {
+  parallel_for(R, K * 4, [&](int64_t r) {
+    std::vector<float> v(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) v[k] = load_elem(xt, x, r * K + k);
+    quantize_row(kind, v.data(), K, group_k, r, q, scale);
+  });
+}
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationCpu, hj::ActivationCpu, hj::bind_activation<void>());

@@ -11,6 +11,7 @@
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
+#include "quantize_cuda.h"
 
 namespace hj {
 namespace {
@@ -109,33 +110,6 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
   else
     return static_cast<uint32_t>(float_to_f16(lo)) | (static_cast<uint32_t>(float_to_f16(hi)) << 16);
-}
-
-template <ElemType QT>
-__device__ __forceinline__ uint32_t code_byte(float v, float s) {
-  const float c = quant_code_value(v, s);
-  if constexpr (QT == ElemType::kE4M3) {
-    // The hardware conversion (round to nearest even, saturating to +-448) is float_to_e4m3 bit
-    // for bit except for NaN, which float_to_e4m3 writes as 0x7f whatever its sign; a fraction of
-    // its instructions (test_cuda_backend.py: test_e4m3_codes_match_cpu_bit_for_bit).
-    const uint32_t hw = __nv_cvt_float_to_fp8(c, __NV_SATFINITE, __NV_E4M3);
-    return c == c ? hw : 0x7fu;
-  } else {
-    float r = rintf(c);
-    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-    return static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(r)));
-  }
-}
-
-// The codes of 8 consecutive values, first value in the lowest byte (one 8-byte store).
-template <ElemType QT>
-__device__ __forceinline__ uint2 pack_codes8(const float (&v)[kVec], float s) {
-  uint2 o;
-  o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
-        (code_byte<QT>(v[3], s) << 24);
-  o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
-        (code_byte<QT>(v[7], s) << 24);
-  return o;
 }
 
 template <ElemType XT>
@@ -304,24 +278,19 @@ __global__ void __launch_bounds__(kQuantThreads)
 }
 
 template <ElemType XT>
-Error launch_quant(const std::string& call, cudaStream_t stream, const AnyBuffer& x, AnyBuffer q, AnyBuffer scale,
-                   int act, float limit, int64_t R, int64_t N1, int64_t K, int64_t group_k, ActQuant kind) {
+Error launch_quant(const std::string& call, cudaStream_t stream, const void* x, void* q, float* sc, int act,
+                   float limit, int64_t R, int64_t N1, int64_t K, int64_t group_k, ActQuant kind) {
   if (R == 0) return Error::Success();
   if (R > INT32_MAX) return invalid(call, "too many rows");
   const unsigned grid = static_cast<unsigned>(R);
-  float* sc = static_cast<float*>(scale.untyped_data());
   const bool vec = kind == ActQuant::kFp8E4M3
-                       ? launch_quant_vec<XT, ElemType::kE4M3>(stream, x.untyped_data(), q.untyped_data(), sc, act,
-                                                                 limit, R, N1, K, group_k)
-                       : launch_quant_vec<XT, ElemType::kI8>(stream, x.untyped_data(), q.untyped_data(), sc, act,
-                                                               limit, R, N1, K, group_k);
+                       ? launch_quant_vec<XT, ElemType::kE4M3>(stream, x, q, sc, act, limit, R, N1, K, group_k)
+                       : launch_quant_vec<XT, ElemType::kI8>(stream, x, q, sc, act, limit, R, N1, K, group_k);
   if (vec) return launch_status(call, "quant_vec_kernel");
   if (kind == ActQuant::kFp8E4M3)
-    quant_kernel<XT, ElemType::kE4M3><<<grid, kQuantThreads, 0, stream>>>(x.untyped_data(), q.untyped_data(), sc,
-                                                                           act, limit, N1, K, group_k);
+    quant_kernel<XT, ElemType::kE4M3><<<grid, kQuantThreads, 0, stream>>>(x, q, sc, act, limit, N1, K, group_k);
   else
-    quant_kernel<XT, ElemType::kI8><<<grid, kQuantThreads, 0, stream>>>(x.untyped_data(), q.untyped_data(), sc, act,
-                                                                         limit, N1, K, group_k);
+    quant_kernel<XT, ElemType::kI8><<<grid, kQuantThreads, 0, stream>>>(x, q, sc, act, limit, N1, K, group_k);
   return launch_status(call, "quant_kernel");
 }
 
@@ -364,9 +333,12 @@ Error ActivationQuantCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q,
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, s.R, s.I, group_k, &kind));
   const int act = static_cast<int>(activation);
+  float* sc = static_cast<float*>(scale->untyped_data());
   if (elem_type_of(x.element_type()) == ElemType::kF16)
-    return launch_quant<ElemType::kF16>(call, stream, x, *q, *scale, act, limit, s.R, s.N1, s.I, group_k, kind);
-  return launch_quant<ElemType::kBF16>(call, stream, x, *q, *scale, act, limit, s.R, s.N1, s.I, group_k, kind);
+    return launch_quant<ElemType::kF16>(call, stream, x.untyped_data(), q->untyped_data(), sc, act, limit, s.R, s.N1,
+                                        s.I, group_k, kind);
+  return launch_quant<ElemType::kBF16>(call, stream, x.untyped_data(), q->untyped_data(), sc, act, limit, s.R, s.N1,
+                                       s.I, group_k, kind);
 }
 
 Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
@@ -375,12 +347,21 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
   HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &R, &K));
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, R, K, group_k, &kind));
-  if (elem_type_of(x.element_type()) == ElemType::kF16)
-    return launch_quant<ElemType::kF16>(call, stream, x, *q, *scale, -1, 0.0f, R, K, K, group_k, kind);
-  return launch_quant<ElemType::kBF16>(call, stream, x, *q, *scale, -1, 0.0f, R, K, K, group_k, kind);
+  return launch_quantize(call, stream,
+                         InputQuant{x.untyped_data(), elem_type_of(x.element_type()), kind, R, K, group_k,
+                                    q->untyped_data(), static_cast<float*>(scale->untyped_data())});
 }
 
 }  // namespace
+
+Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
+  if (qin.xt == ElemType::kF16)
+    return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, -1, 0.0f, qin.rows, qin.K, qin.K,
+                                        qin.group_k, qin.kind);
+  return launch_quant<ElemType::kBF16>(call, stream, qin.x, qin.q, qin.scale, -1, 0.0f, qin.rows, qin.K, qin.K,
+                                       qin.group_k, qin.kind);
+}
+
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationCuda, hj::ActivationCuda, hj::bind_activation<hj::CudaStream>(),

@@ -395,6 +395,23 @@ auto bind_gemm_indexed() {
       .template Attr<int64_t>("block_m");
 }
 
+// gemm_indexed_quant(x, (unused), w..., sorted_ids, block_expert_ids, num_tokens_post_padded)
+//   -> c, q, q_scale: gemm_indexed of quantize(x) (the codes and scales also land in q / q_scale,
+//   except where a kernel quantizes as it loads: then their contents are unspecified)
+template <typename PlatformCtx>
+auto bind_gemm_indexed_quant() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // sorted_ids
+      .template Arg<AnyBuffer>()  // block_expert_ids
+      .template Arg<AnyBuffer>()  // num_tokens_post_padded
+      .template Ret<AnyBuffer>()  // c [M * top_k, N]
+      .template Ret<AnyBuffer>()  // q [M, K]: fp8 e4m3 or int8 codes of x
+      .template Ret<AnyBuffer>()  // q_scale [M, groups] f32
+      HJ_GEMM_ATTRS
+      .template Attr<int64_t>("gather_div")
+      .template Attr<int64_t>("block_m");
+}
+
 // gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace
 template <typename PlatformCtx>
 auto bind_gemm_grouped() {
@@ -680,6 +697,20 @@ inline Error check_quantize_input(const std::string& call, const AnyBuffer& x, i
   *R = dim(x, 0);
   *K = dim(x, 1);
   return Error::Success();
+}
+
+// gemm_indexed_quant: x [M, K] 16-bit, quantized into q / q_scale (act_group_k: the group, 0 per
+// row), then the indexed GEMM of those codes. *p describes the GEMM over q / q_scale.
+inline Error parse_gemm_indexed_quant(const std::string& call, const AnyBuffer& x, const AnyBuffer& qweight,
+                                      const AnyBuffer& scale, const AnyBuffer& zero, const AnyBuffer& scale2,
+                                      const AnyBuffer& bias, const GemmAttrs& at, const AnyBuffer& c,
+                                      const AnyBuffer& q, const AnyBuffer& q_scale, GemmProblem* p,
+                                      ActQuant* kind) {
+  int64_t R = 0, K = 0;
+  HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &R, &K));
+  HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, R, K, at.act_group_k, kind));
+  HJ_RETURN_IF_ERROR(parse_gemm(call, q, q_scale, qweight, scale, zero, scale2, bias, at, c, p));
+  return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
 }
 
 // finalize: the result has out's shape and is apart from d, topk_weights and src_rows (it may

@@ -5,6 +5,7 @@
 
 #include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "quantize_cpu.h"
 
 namespace hj {
 namespace {
@@ -42,6 +43,26 @@ void zero_rows(const GemmProblem& p, int64_t first, int64_t last) {
     for (int64_t n = 0; n < p.N; ++n) store_elem(p.c_type, p.c, r * p.N + n, 0.0f);
 }
 
+// The indexed GEMM over the used blocks of a checked layout.
+void gemm_indexed_runs(const GemmProblem& p, const IndexedLayout& l) {
+  int64_t used = *l.num_tokens_post_padded;
+  used = used < 0 ? 0 : (used > l.padded_rows ? l.padded_rows : used);
+  std::vector<RowRun> runs;
+  for (int64_t b = 0; b * l.block_m < used; ++b) {
+    const int64_t e = l.block_expert_ids[b];
+    if (e < 0 || e >= p.w.E) continue;  // never address weights with an invalid id
+    RowRun run{e, {}, {}};
+    for (int64_t i = b * l.block_m; i < (b + 1) * l.block_m; ++i) {
+      const int64_t id = l.sorted_ids[i];
+      if (id < 0 || id >= l.c_rows || id / l.gather_div >= l.a_rows) continue;  // padding
+      run.a_rows.push_back(id / l.gather_div);
+      run.c_rows.push_back(id);
+    }
+    runs.push_back(std::move(run));
+  }
+  gemm_runs(p, runs);
+}
+
 Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                      AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
                      AnyBuffer ntpp, Result<AnyBuffer> c, int64_t weight_type, int64_t group_n,
@@ -56,22 +77,29 @@ Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
   IndexedLayout l;
   HJ_RETURN_IF_ERROR(check_indexed_layout(call, a, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
                                           block_m, &l));
-  int64_t used = *l.num_tokens_post_padded;
-  used = used < 0 ? 0 : (used > l.padded_rows ? l.padded_rows : used);
-  std::vector<RowRun> runs;
-  for (int64_t b = 0; b * block_m < used; ++b) {
-    const int64_t e = l.block_expert_ids[b];
-    if (e < 0 || e >= p.w.E) continue;  // never address weights with an invalid id
-    RowRun run{e, {}, {}};
-    for (int64_t i = b * block_m; i < (b + 1) * block_m; ++i) {
-      const int64_t id = l.sorted_ids[i];
-      if (id < 0 || id >= l.c_rows || id / gather_div >= l.a_rows) continue;  // padding
-      run.a_rows.push_back(id / gather_div);
-      run.c_rows.push_back(id);
-    }
-    runs.push_back(std::move(run));
-  }
-  gemm_runs(p, runs);
+  gemm_indexed_runs(p, l);
+  return Error::Success();
+}
+
+Error GemmIndexedQuantCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                          AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
+                          AnyBuffer ntpp, Result<AnyBuffer> c, Result<AnyBuffer> q, Result<AnyBuffer> q_scale,
+                          int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                          int64_t has_scale2, int64_t has_bias, int64_t act_group_k, int64_t gather_div,
+                          int64_t block_m) {
+  const std::string call = "gemm_indexed_quant";
+  GemmProblem p;
+  ActQuant kind;
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(call, x, qweight, scale, zero, scale2, bias,
+                                              gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                         has_bias, act_group_k),
+                                              *c, *q, *q_scale, &p, &kind));
+  IndexedLayout l;
+  HJ_RETURN_IF_ERROR(check_indexed_layout(call, x, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
+                                          block_m, &l));
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), dim(x, 0), dim(x, 1), act_group_k, kind,
+                    q->untyped_data(), static_cast<float*>(q_scale->untyped_data()));
+  gemm_indexed_runs(p, l);
   return Error::Success();
 }
 
@@ -154,6 +182,8 @@ Error GemmBatchedIntoCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyB
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCpu, hj::GemmIndexedCpu, hj::bind_gemm_indexed<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCpu, hj::GemmIndexedQuantCpu,
+                              hj::bind_gemm_indexed_quant<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCpu, hj::GemmBatchedCpu, hj::bind_gemm_batched<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedIntoCpu, hj::GemmBatchedIntoCpu,

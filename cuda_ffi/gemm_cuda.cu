@@ -6,6 +6,7 @@
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 #include "gemm_kernels_sm80.cuh"
+#include "quantize_cuda.h"
 #if defined(HUMMING_JAX_FAST_PATHS)
 #include "gemm_decode_sm90.h"
 #include "gemm_prefill_sm90.h"
@@ -68,16 +69,20 @@ Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
   return Error::Success();
 }
 
-Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream) {
+// qin: the call's activations are the quantization of qin->x, to run before the GEMM's kernel
+// reads L.p.a (the decode path runs it itself, or has its kernel quantize while it loads).
+Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream,
+             const InputQuant* qin = nullptr) {
   const int64_t n_tiles = (L.p.N + gemm::kBN - 1) / gemm::kBN;
   if (m_tiles == 0 || n_tiles == 0) return Error::Success();
 #if defined(HUMMING_JAX_FAST_PATHS)
   // Decode: the weight-streaming kernel (gemm_decode_sm90.h) when the rows per expert are few.
   bool decode_ran = false;
-  const Error decode_err = decode::launch_decode(call, L, stream, &decode_ran);
+  const Error decode_err = decode::launch_decode(call, L, stream, &decode_ran, qin);
   if (decode_ran || !decode_err.success()) return decode_err;
 #endif
   if (m_tiles > INT32_MAX) return invalid(call, "too many row tiles");
+  if (qin) HJ_RETURN_IF_ERROR(launch_quantize(call, stream, *qin));
   const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
   switch (bm) {
     case 16: gemm::launch_sm80<16>(L, grid, stream); break;
@@ -85,6 +90,26 @@ Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_til
     default: gemm::launch_sm80<64>(L, grid, stream); break;
   }
   return launch_status(call, "gemm_kernel");
+}
+
+// The indexed GEMM of a parsed problem over a checked layout (gemm_indexed, gemm_indexed_quant).
+Error launch_indexed(const std::string& call, const GemmProblem& p, const IndexedLayout& l, int64_t gather_div,
+                     int64_t block_m, cudaStream_t stream, const InputQuant* qin = nullptr) {
+  GemmLaunch L{};
+  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
+  const int bm = pick_bm(block_m);
+  L.mode = RowMode::kIndexed;
+  L.E = p.w.E;
+  L.sorted_ids = l.sorted_ids;
+  L.block_expert_ids = l.block_expert_ids;
+  L.ntpp = l.num_tokens_post_padded;
+  L.block_m = block_m;
+  L.gather_div = gather_div;
+  L.a_rows = l.a_rows;
+  L.c_rows = l.c_rows;
+  L.padded_rows = l.padded_rows;
+  L.sub_tiles = (block_m + bm - 1) / bm;
+  return launch(call, L, bm, l.num_blocks * L.sub_tiles, stream, qin);
 }
 
 Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
@@ -101,21 +126,28 @@ Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
   IndexedLayout l;
   HJ_RETURN_IF_ERROR(check_indexed_layout(call, a, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
                                           block_m, &l));
-  GemmLaunch L{};
-  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
-  const int bm = pick_bm(block_m);
-  L.mode = RowMode::kIndexed;
-  L.E = p.w.E;
-  L.sorted_ids = l.sorted_ids;
-  L.block_expert_ids = l.block_expert_ids;
-  L.ntpp = l.num_tokens_post_padded;
-  L.block_m = block_m;
-  L.gather_div = gather_div;
-  L.a_rows = l.a_rows;
-  L.c_rows = l.c_rows;
-  L.padded_rows = l.padded_rows;
-  L.sub_tiles = (block_m + bm - 1) / bm;
-  return launch(call, L, bm, l.num_blocks * L.sub_tiles, stream);
+  return launch_indexed(call, p, l, gather_div, block_m, stream);
+}
+
+Error GemmIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight,
+                           AnyBuffer scale, AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids,
+                           AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> c, Result<AnyBuffer> q,
+                           Result<AnyBuffer> q_scale, int64_t weight_type, int64_t group_n, int64_t group_k,
+                           int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k,
+                           int64_t gather_div, int64_t block_m) {
+  const std::string call = "gemm_indexed_quant";
+  GemmProblem p;
+  ActQuant kind;
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(call, x, qweight, scale, zero, scale2, bias,
+                                              gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                         has_bias, act_group_k),
+                                              *c, *q, *q_scale, &p, &kind));
+  IndexedLayout l;
+  HJ_RETURN_IF_ERROR(check_indexed_layout(call, x, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
+                                          block_m, &l));
+  const InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), kind, dim(x, 0), dim(x, 1), act_group_k,
+                       q->untyped_data(), static_cast<float*>(q_scale->untyped_data())};
+  return launch_indexed(call, p, l, gather_div, block_m, stream, &qin);
 }
 
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
@@ -196,6 +228,8 @@ Error GemmBatchedIntoCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCuda, hj::GemmIndexedCuda, hj::bind_gemm_indexed<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCuda, hj::GemmIndexedQuantCuda,
+                              hj::bind_gemm_indexed_quant<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCuda, hj::GemmBatchedCuda, hj::bind_gemm_batched<hj::CudaStream>(),

@@ -15,6 +15,7 @@ namespace {
 
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_ring_launches{0};  // of which the fp8 ring kernel
+std::atomic<uint64_t> g_quant_launches{0};  // of which the decode kernel quantizing its token rows
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
@@ -311,7 +312,27 @@ int64_t quant_decode_rows_per_expert(WeightType t) {
   return r > 0 ? r : base;
 }
 
-Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched) {
+namespace {
+
+// Whether the decode kernel can quantize qin's rows as it takes the call: the fp8 x fp8 variant,
+// fp8 e4m3 codes in 128-k groups of 16-bit rows, 16-byte aligned, every item's rows held whole
+// (whole_rows covers the most rows an item has), and shared memory for their scales.
+bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin) {
+  const DecodeLaunch& D = pl.D;
+  if (L.mode != RowMode::kIndexed || L.p.w.type != WeightType::kFp8E4M3 || pl.ak != ActKind::kFp8 ||
+      pl.dq != Deq::kCodes)
+    return false;
+  if (qin.kind != ActQuant::kFp8E4M3 || qin.group_k != 128 || qin.K != D.K || D.K % 128 != 0 ||
+      (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16) || !aligned_to(qin.x, 16))
+    return false;
+  if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
+  return static_cast<int64_t>(kStages) * kWStageBytes + xq_region_bytes(D) <= kMaxDynamicSmem;
+}
+
+}  // namespace
+
+Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched,
+                    const InputQuant* qin) {
   *launched = false;
   if (!env_flag("HUMMING_JAX_DECODE", true)) return Error::Success();
   int major = 0, minor = 0, sms = 0;
@@ -330,6 +351,17 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   const std::string ring_mode = ring_env && *ring_env ? ring_env : "auto";
   const bool ring = pl.dq == Deq::kCodes && (ring_mode == "1" || ring_mode == "auto") && fp8_ring_applies(D) &&
                     (ring_mode == "1" || fp8_ring_units(D, D.est_items) >= sms);
+  // gemm_indexed_quant: the decode kernel quantizes the token rows itself where it takes the call
+  // and every item holds its rows whole; elsewhere (the ring among them) the quantization kernel
+  // runs first.
+  const bool fuse = !ring && qin && env_flag("HUMMING_JAX_DECODE_QUANT", true) && quantizes_whole(L, pl, *qin);
+  if (fuse) {
+    pl.D.xq = qin->x;
+    pl.D.xq_f16 = qin->xt == ElemType::kF16 ? 1 : 0;
+    pl.D.act_region_bytes = xq_region_bytes(pl.D);
+    pl.smem = decode_smem_bytes(pl.D);
+  }
+  if (qin && !fuse) HJ_RETURN_IF_ERROR(launch_quantize(call, stream, *qin));
   const int ring_rows = ring ? launch_fp8_ring(D, sms, stream) : 0;
   const bool on_ring = ring_rows > 0;
   if (ring && !on_ring)
@@ -349,6 +381,7 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   *launched = true;
   g_launches.fetch_add(1, std::memory_order_relaxed);
   if (on_ring) g_ring_launches.fetch_add(1, std::memory_order_relaxed);
+  if (fuse) g_quant_launches.fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
   if (log && on_ring)
     std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (units of %d rows, items=%d rows<=%d)\n",
@@ -373,4 +406,10 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeLaunches() {
 // Of those, launches of the fp8 ring kernel.
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeRingLaunches() {
   return hj::decode::g_ring_launches.load(std::memory_order_relaxed);
+}
+
+// Of those, decode kernel launches that quantized their 16-bit token rows themselves
+// (gemm_indexed_quant).
+extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeQuantLaunches() {
+  return hj::decode::g_quant_launches.load(std::memory_order_relaxed);
 }

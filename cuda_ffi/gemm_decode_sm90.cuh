@@ -41,6 +41,7 @@
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
+#include "quantize_cuda.h"
 #include "gemm_decode_sm90.h"
 #include "gemm_kernels_sm80.cuh"
 
@@ -110,7 +111,26 @@ struct DecodeLaunch {
   // sequence, a 64-bit one a subroutine): 16-byte activation units per whole row, the scale
   // grid's group_n, the indexed layout's gather_div (id -> activation row).
   FastDiv div_upr, div_gn, div_gather;
+  // gemm_indexed_quant on the fp8 x fp8 variant: non-null, the 16-bit token rows [a_rows, K] that
+  // each item quantizes into its whole-K activation rows (fp8 e4m3, 128-k groups), the scales
+  // beside them in shared memory (xq_scales_offset); the codes and scales of g.p.a are not read.
+  const void* xq;
+  int xq_f16;  // xq holds float16 (else bfloat16)
 };
+
+// The quantized rows' scales in the activation region: [whole_rows][K / 128] float32 after the
+// whole rows.
+__host__ __device__ __forceinline__ int xq_scales_offset(const DecodeLaunch& D) {
+  return D.whole_rows * D.whole_row_bytes;
+}
+__host__ __device__ __forceinline__ int xq_scales_bytes(const DecodeLaunch& D) {
+  return D.whole_rows * (D.K / 128) * 4;
+}
+// The activation region of a launch whose items quantize their rows: the whole rows and the scales.
+inline int xq_region_bytes(const DecodeLaunch& D) {
+  return D.act_region_bytes > xq_scales_offset(D) + xq_scales_bytes(D) ? D.act_region_bytes
+                                                                      : xq_scales_offset(D) + xq_scales_bytes(D);
+}
 
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
 inline size_t decode_smem_bytes(const DecodeLaunch& D) {
@@ -333,11 +353,16 @@ __device__ __forceinline__ float scale_to_float(ElemType t, uint32_t raw) {
 // ---------------------------------------------------------------------------------------------
 // The kernel. SF: the weight scales are float32 (every 8-bit weight scheme), known at compile time
 // so that the float32 and codes modes read and convert them without a switch on the type. ZP: uint4
-// weights may have zero points (false: none, known at compile time, so no zero-point loads).
+// weights may have zero points (false: none, known at compile time, so no zero-point loads). FQ
+// (fp8 x fp8 only): the variant that quantizes its 16-bit token rows itself (DecodeLaunch::xq), a
+// kernel of its own so that the other variants carry none of its code.
 // ---------------------------------------------------------------------------------------------
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP = true>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP = true, bool FQ = false>
 struct Kern {
   static constexpr bool kQ8 = AK == ActKind::kFp8 || AK == ActKind::kI8;
+  static constexpr bool kFusedQ = FQ;
+  static_assert(!FQ || (WT == WeightType::kFp8E4M3 && AK == ActKind::kFp8 && DQ == Deq::kCodes),
+                "the fused quantization is an fp8 x fp8 variant");
   static constexpr bool kF16 = AK != ActKind::kBF16;  // MMA operand type: f16 (also for 8-bit codes)
   // int8 weights and activations: their codes go to the integer m16n8k32 MMA as they are. (An e4m3
   // mma.sync is no shortcut on sm_90: ptxas expands it into f16 conversions of both operands.)
@@ -461,6 +486,50 @@ struct Kern {
     }
   }
 
+  // Whole mode with 16-bit token rows (DecodeLaunch::xq): the item's rows quantized into the
+  // whole-K activation rows (fp8 e4m3, one scale per 128 k, as group_quant_vec_kernel: the same
+  // maximum, scale and codes) and their scales beside them, by the whole CTA: each half warp takes
+  // one 128-k group of a row, 8 values per lane. The loop runs warp-uniformly (shuffles, vote).
+  static __device__ __noinline__ void quantize_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
+                                                                 const int32_t* s_arow, int tid) {
+    const int ngroups = D.K >> 7, total = nvalid * ngroups;
+    const int lane = tid & 31, j16 = lane & 15;
+    uint8_t* abase = smem + kStages * kWStageBytes;
+    float* sxs = reinterpret_cast<float*>(abase + xq_scales_offset(D));
+    const uint16_t* x = static_cast<const uint16_t*>(D.xq);
+    for (int base = (tid >> 5) * 2; base < total; base += kThreads / 16) {
+      const int gi = base + (lane >> 4);
+      const bool ok = gi < total;
+      const int r = ok ? gi / ngroups : 0, grp = gi - r * ngroups;
+      float v[8];
+      if (ok) {
+        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(s_arow[r]) * D.K + grp * 128 +
+                                                               j16 * 8));
+        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t lo = static_cast<uint16_t>(w4[i] & 0xffffu), hi = static_cast<uint16_t>(w4[i] >> 16);
+          v[2 * i] = D.xq_f16 ? __half2float(__ushort_as_half(lo)) : __bfloat162float(__ushort_as_bfloat16(lo));
+          v[2 * i + 1] = D.xq_f16 ? __half2float(__ushort_as_half(hi)) : __bfloat162float(__ushort_as_bfloat16(hi));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+      }
+      float m = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+      const float sc = quant_scale(ActQuant::kFp8E4M3, m);
+      const uint2 codes = e4m3_codes8(v, sc);
+      if (ok) {
+        *reinterpret_cast<uint2*>(abase + r * D.whole_row_bytes + grp * 128 + j16 * 8) = codes;
+        if (j16 == 0) sxs[r * ngroups + grp] = sc;
+      }
+    }
+  }
+
   // Whole mode, kPrePermute: each 16-byte unit (k0..k7) of the item's activation rows becomes
   // (k0,k4) (k1,k5) (k2,k6) (k3,k7), the order of the weight pairs. Run by the whole CTA between
   // two barriers, after the copies landed.
@@ -533,6 +602,11 @@ struct Kern {
       }
     }
     if constexpr (kQ8) {
+      if constexpr (kFusedQ) {  // read from shared memory where they are used
+#pragma unroll
+        for (int j = 0; j < TOKT; ++j) s.a[j][0] = s.a[j][1] = 0.0f;
+        return;
+      }
       const ActView& a = D.g.p.a;
       const uint32_t ak = D.div_agk.div(min(static_cast<uint32_t>(c * kKw), static_cast<uint32_t>(D.K - 1)));
       const int64_t cols = static_cast<int64_t>(D.g.a_scale_cols);
@@ -796,9 +870,12 @@ struct Kern {
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
       if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid, whole);
-      if (st == 0 && whole) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
+      if (st == 0 && whole && !kFusedQ) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
+    // 16-bit token rows (D.xq): quantized while the first stages' weights are in flight (every
+    // item is whole, host-checked); the first iteration's barrier publishes them.
+    if constexpr (kFusedQ) quantize_whole_activations(D, item.nvalid, smem, s_arow, tid);
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
@@ -834,6 +911,14 @@ struct Kern {
 #pragma unroll
               for (int r = 0; r < 4; ++r) part[i][j][r] = 0.0f;
           chunk_mma<TOKT, false>(D, part, w, arow0, arb, g, item.nvalid, s0, s2);
+          if constexpr (kFusedQ) {  // the token rows' scales of this chunk column, quantized above
+            const float* sxs = reinterpret_cast<const float*>(smem + kStages * kWStageBytes + xq_scales_offset(D));
+            const int grp = (c * kKw) >> 7, ng = D.K >> 7;
+#pragma unroll
+            for (int j = 0; j < TOKT; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) s0.a[j][e] = sxs[min(8 * j + 2 * t + e, item.nvalid - 1) * ng + grp];
+          }
           // One scale pair per chunk column (the host checked that scale groups cover whole
           // chunk columns): acc += part * a_scale * (w_scale * scale2), as the generic kernel.
 #pragma unroll
@@ -1048,10 +1133,10 @@ __device__ __forceinline__ int64_t indexed_used_rows(const GemmLaunch& L) {
   return used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
 }
 
-template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF, bool ZP, bool FQ>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_constant__ DecodeLaunch D) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  using K_ = Kern<WT, AK, DQ, SF, ZP>;
+  using K_ = Kern<WT, AK, DQ, SF, ZP, FQ>;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int32_t s_arow[kMaxRows], s_crow[kMaxRows];
   __shared__ int64_t s_abyte[kMaxRows];  // byte offset of each row of a
@@ -1276,9 +1361,9 @@ bool raise_smem_limit_once(Kernel kernel, int bytes, bool max_carveout, unsigned
   return true;
 }
 
-template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true>
+template <WeightType WT, ActKind AK, Deq DQ, bool SF = false, bool ZP = true, bool FQ = false>
 bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP>;
+  auto kernel = decode_kernel<WT, AK, DQ, SF, ZP, FQ>;
   static unsigned configured = 0;
   // A failure stays in cudaGetLastError, which the caller's launch check reports; no launch then.
   if (!raise_smem_limit_once(kernel, kMaxDynamicSmem, true, configured)) return true;

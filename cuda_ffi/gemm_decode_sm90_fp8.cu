@@ -15,6 +15,10 @@ bool launch_family<WeightType::kFp8E4M3>(const DecodeLaunch& D, ActKind ak, Deq 
     return launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32, true>(D, grid, smem, stream);
   else if (ak == ActKind::kF16 && dq == Deq::kF32 && !f32_scales)
     return launch_variant<WeightType::kFp8E4M3, ActKind::kF16, Deq::kF32>(D, grid, smem, stream);
+  else if (ak == ActKind::kFp8 && dq == Deq::kCodes && D.xq && f32_scales)  // quantizing its rows (D.xq)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, true, true, true>(D, grid, smem, stream);
+  else if (ak == ActKind::kFp8 && dq == Deq::kCodes && D.xq && !f32_scales)
+    return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, false, true, true>(D, grid, smem, stream);
   else if (ak == ActKind::kFp8 && dq == Deq::kCodes && f32_scales)
     return launch_variant<WeightType::kFp8E4M3, ActKind::kFp8, Deq::kCodes, true>(D, grid, smem, stream);
   else if (ak == ActKind::kFp8 && dq == Deq::kCodes && !f32_scales)

@@ -25,6 +25,7 @@ CALLS = (
     "routing_grouped",
     "permute_rows",
     "gemm_indexed",
+    "gemm_indexed_quant",
     "gemm_grouped",
     "gemm_batched",
     "gemm_batched_into",

@@ -8,6 +8,7 @@ buffer assignment keeps every kernel's output apart from its inputs.
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import jax
@@ -227,6 +228,14 @@ class _StandardExperts(FusedMoEExperts):
         raise NotImplementedError
 
 
+def fused_input_quant() -> bool:
+    """Whether the indexed class quantizes GEMM1's input in the GEMM's own call
+    (``gemm_indexed_quant``; the default) rather than in a call of its own. Read at trace time from
+    ``HUMMING_JAX_FUSED_INPUT_QUANT`` (``0``: the separate call, for A/B timing); the values are the
+    same either way."""
+    return os.environ.get("HUMMING_JAX_FUSED_INPUT_QUANT", "1") != "0"
+
+
 class IndexedExperts(_StandardExperts):
     """Standard format, indexed: GEMM1 gathers token rows through expert-sorted ids."""
 
@@ -239,12 +248,17 @@ class IndexedExperts(_StandardExperts):
         routing = routing_ops.routing_indexed(ids, emap, e, block_m)
         quant = act_quant_params(weights.act_key)
         dtype = x.dtype
-        a, a_scale, agk = x, None, 0
-        if quant is not None:
-            a, a_scale = act_ops.quantize(x, quant[0], quant[1])
-            agk = quant[1]
         common = dict(rows=m * k, block_m=block_m, out_dtype=dtype)
-        gu = gemm_ops.gemm_indexed(a, a_scale, weights.w13, weights.b13, routing, gather_div=k, act_group_k=agk, **common)
+        if quant is not None and fused_input_quant():
+            gu = gemm_ops.gemm_indexed_quant(
+                x, weights.w13, weights.b13, routing, gather_div=k, quant=quant[0], act_group_k=quant[1], **common
+            )
+        else:
+            a, a_scale, agk = x, None, 0
+            if quant is not None:
+                a, a_scale = act_ops.quantize(x, quant[0], quant[1])
+                agk = quant[1]
+            gu = gemm_ops.gemm_indexed(a, a_scale, weights.w13, weights.b13, routing, gather_div=k, act_group_k=agk, **common)
         a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)
         d = gemm_ops.gemm_indexed(a2, a2_scale, weights.w2, weights.b2, routing, gather_div=1, act_group_k=agk2, **common)
         return d, routing.src_rows

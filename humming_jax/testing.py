@@ -119,3 +119,41 @@ def gemm_forms(
         return dict(c1=c1, c2=c2, cg=cg, cb=cb, cbi=cbi, src=r.src_rows, off=rg.expert_first_token_offset)
 
     return fn, (x, a2, xb, ids, emap, counts, w, bias, out)
+
+
+def indexed_quant_forms(
+    rng: np.random.Generator,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    dtype: Any,
+    quant: tuple[str, int],
+    ids: jax.Array,
+) -> tuple[Callable[..., dict], tuple]:
+    """GEMM1 of one random problem (rows gathered by id // k) both ways: ``gemm_indexed_quant``
+    (the input quantized inside the GEMM's call) and ``quantize`` + ``gemm_indexed``. Token rows
+    span six decades of magnitude, so the per-group scales differ row to row. Returns (fn,
+    operands); fn(x, ids, w, bias) gives a dict: fused, two, src (the routing's source rows)."""
+    e, kdim = w.num_experts, w.k
+    m, k = ids.shape
+    mags = 10.0 ** rng.uniform(-3, 3, (m, 1))
+    xf = rng.standard_normal((m, kdim)) * mags
+    # Values a division by the scale treats apart: signed zeros, values far below their group's
+    # maximum (bf16 keeps them: ~1e-25 of it), and with more than one token a row of zeros.
+    xf[rng.random((m, kdim)) < 0.03] = 0.0
+    xf[rng.random((m, kdim)) < 0.03] = -0.0
+    tiny = rng.random((m, kdim)) < 0.02
+    xf[tiny] *= 1e-25
+    if m > 1:
+        xf[m // 2] = 0.0
+    x = jnp.asarray(xf, dtype)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, w, bias):
+        r = routing_ops.routing_indexed(ids, None, e, bm)
+        common = dict(rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype)
+        fused = gemm_ops.gemm_indexed_quant(x, w, bias, r, quant=quant[0], act_group_k=quant[1], **common)
+        a, s = act_ops.quantize(x, quant[0], quant[1])
+        two = gemm_ops.gemm_indexed(a, s, w, bias, r, act_group_k=quant[1], **common)
+        return dict(fused=fused, two=two, src=r.src_rows)
+
+    return fn, (x, ids, w, bias)

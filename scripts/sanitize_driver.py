@@ -31,7 +31,7 @@ from humming_jax.ops import finalize as fin_ops  # noqa: E402
 from humming_jax.ops import gemm as gemm_ops  # noqa: E402
 from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
-from humming_jax.testing import gemm_forms, random_packed_weight, random_routing  # noqa: E402
+from humming_jax.testing import gemm_forms, indexed_quant_forms, random_packed_weight, random_routing  # noqa: E402
 from humming_jax.weights import PackedWeight  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -86,6 +86,17 @@ def main() -> None:
     gemm_all_forms(PackedWeight(jnp.asarray(rng.standard_normal((2, 130, 21)), jnp.float16), wtype=WeightType.FLOAT,
                                 k=21), None, jnp.float16, None)
 
+    # GEMM1 quantizing its own input (gemm_indexed_quant): in the decode kernel where it takes the
+    # call with every item whole, else after the quantization kernel (the fp8 ring among them).
+    for dtype, (m, topk, e, n, k) in itertools.product((jnp.bfloat16, jnp.float16),
+                                                     ((1, 8, 16, 264, 256), (16, 4, 8, 200, 384))):
+        w = SCHEMES["w8a8-fp8-block128"].quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, dtype)
+        bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
+        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
+        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        fn, operands = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids)
+        run(fn, *operands)
+
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
     # 128-row tiles for m = 1200 and 300 and 64-row tiles for m = 60; int4 through the mixed-input
     # kinds (256-token tiles at m = 1200, 128 at 300) and the 4-bit mainloop at 60, mxfp4 through the dequantization
@@ -138,7 +149,8 @@ def main() -> None:
         cnt = jnp.asarray([0, 6, 3, 9], jnp.int32)
         run(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c), jnp.zeros_like(xb), xb,
             wts, cnt)
-    counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches", "HjPrefillLaunches")
+    counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches",
+                                                              "HjDecodeQuantLaunches", "HjPrefillLaunches")
               for fn in [hj._ffi.launch_counter(name)]}
     print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")
 

@@ -26,7 +26,7 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
-from humming_jax.testing import gemm_forms, random_packed_weight
+from humming_jax.testing import gemm_forms, indexed_quant_forms, random_packed_weight
 
 CPU = jax.devices("cpu")[0]
 GPU = jax.devices("cuda")[0] if hj.cuda_available() else None
@@ -745,6 +745,48 @@ def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, 
     if variant != "default":  # the default takes the ring at the shape with more units than SMs
         ringed = variant.startswith("ring")
         assert ring.count == (5 if ringed else 0), f"{variant}: {ring.count} launches of the ring kernel"
+
+
+_DECODE_QUANT_LAUNCHES = _ffi.launch_counter("HjDecodeQuantLaunches") if GPU is not None else None
+
+# gemm_indexed_quant (GEMM1 with its 16-bit input quantized in the call): the decode kernel
+# quantizes the token rows itself (fp8 e4m3, 128-k groups, every item's rows held whole over K);
+# "decode-unfused" (HUMMING_JAX_DECODE_QUANT=0) and the ring run the quantization kernel first.
+_FUSED_QUANT_ENV = {"default": {}, "decode": _NO_RING,
+                    "decode-unfused": {**_NO_RING, "HUMMING_JAX_DECODE_QUANT": "0"},
+                    "decode-wk4": {**_NO_RING, "HUMMING_JAX_DECODE_WK": "4"}, "ring": _RING}
+
+
+@requires_decode
+@pytest.mark.parametrize("variant", sorted(_FUSED_QUANT_ENV))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,e,n,kdim", [(1, 8, 128, 264, 256), (16, 4, 8, 200, 384),
+                                          (16, 8, 64, 2048, 512), (3, 2, 6, 96, 2048)])
+def test_decode_fused_input_quant_matches_two_calls_and_cpu(rng, monkeypatch, variant, dtype, m, k, e, n, kdim):
+    """The fused call gives the two calls' bits on the GPU (quantization is exact: the same codes
+    and scales whichever kernel quantizes) and agrees with the CPU; the counters show which kernel
+    quantized."""
+    for name, value in _FUSED_QUANT_ENV[variant].items():
+        monkeypatch.setenv(name, value)
+    w = _decode_weights(rng, "w8a8-fp8-block128", dtype, e, n, kdim)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    ids, _ = _decode_routing(rng, m, k, e)
+    ids = jnp.where(ids >= e, -1, ids)  # no expert map on this call: remote ids become padding
+    fn, ops = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids)
+    what = f"{variant} {jnp.dtype(dtype).name} M={m} E={e} N={n} K={kdim}"
+    with _LaunchCount(_DECODE_QUANT_LAUNCHES) as fused, _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
+        got = _run_on(GPU, fn, ops)
+    valid = got["src"].reshape(-1) >= 0
+    assert np.all(np.isfinite(got["fused"][valid])) and np.any(got["fused"][valid] != 0.0), what
+    np.testing.assert_array_equal(got["fused"][valid], got["two"][valid], err_msg=f"{what}: fused != two calls")
+    want = _run_on(CPU, fn, ops)
+    np.testing.assert_array_equal(got["src"], want["src"])
+    _assert_close(got["fused"][valid], want["fused"][valid], dtype, f"{what} against the CPU")
+    if variant.startswith("decode"):
+        expect = 0 if variant == "decode-unfused" else 1
+        assert (fused.count, ring.count) == (expect, 0), f"{what}: {fused.count} fused, {ring.count} ring launches"
+    elif variant.startswith("ring"):
+        assert (fused.count, ring.count) == (0, 2), f"{what}: {fused.count} fused, {ring.count} ring launches"
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):

@@ -72,6 +72,39 @@ def gemm_indexed(
     )
 
 
+def gemm_indexed_quant(
+    x: jax.Array,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    routing: IndexedRouting,
+    *,
+    rows: int,
+    gather_div: int,
+    block_m: int,
+    out_dtype: Any,
+    quant: str,
+    act_group_k: int,
+) -> jax.Array:
+    """``gemm_indexed`` of ``quantize(x, quant, act_group_k)`` in one call: the same values as the
+    two calls, bit for bit. On the GPU the decode kernel quantizes the token rows as it loads them
+    where it takes the launch (128-column fp8 groups); elsewhere the call quantizes first."""
+    from .activation import _quant_shapes  # the quantize call's result shapes and checks
+
+    ops, attrs = _operands(x, None, w, bias, act_group_k)
+    c, _, _ = _ffi.call(
+        "gemm_indexed_quant",
+        (jax.ShapeDtypeStruct((rows, w.n), out_dtype), *_quant_shapes(x.shape[0], x.shape[1], quant, act_group_k)),
+        *ops,
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **attrs,
+        gather_div=gather_div,
+        block_m=block_m,
+    )
+    return c
+
+
 # The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at
 # most 256 SMs, then per-expert shapes, pointers and strides) is bounded by
 #     GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * E   bytes,

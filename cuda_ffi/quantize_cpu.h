@@ -1,0 +1,16 @@
+// The dynamic quantization of 16-bit activation rows on the CPU, shared by the quantize handler
+// (activation_cpu.cc) and the GEMM that quantizes its own input (gemm_indexed_quant, gemm_cpu.cc).
+#pragma once
+
+#include <cstdint>
+
+#include "ffi_common.h"
+
+namespace hj {
+
+// x [R, K] (xt: bf16 or f16) -> q [R, K] codes and scale [R, groups]: scale = absmax / qmax per
+// group of group_k columns (0: per row), codes = the values over the scale, rounded to nearest.
+void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t K, int64_t group_k, ActQuant kind, void* q,
+                       float* scale);
+
+}  // namespace hj

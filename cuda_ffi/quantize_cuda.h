@@ -1,0 +1,111 @@
+// The dynamic quantization of 16-bit activation rows on the GPU, shared by the quantize handler
+// (activation_cuda.cu) and the GEMM that quantizes its own input (gemm_indexed_quant): the launch,
+// and the device conversion of one value, so that every kernel that quantizes writes the same codes.
+#pragma once
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ffi_common.h"
+
+namespace hj {
+
+// 16-bit rows x [rows, K] to be quantized into q [rows, K] (fp8 e4m3 or int8 codes) and scale
+// [rows, groups] (scale = absmax / qmax per group of group_k columns, 0: per row).
+struct InputQuant {
+  const void* x;
+  ElemType xt;  // kBF16 or kF16
+  ActQuant kind;
+  int64_t rows, K, group_k;
+  void* q;
+  float* scale;
+};
+
+// Launches the quantization of qin (moe_contract.h's values, bit for bit as on the CPU).
+Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin);
+
+#if defined(__CUDACC__)
+// The code byte of the quotient c = v / s: the hardware conversion (round to nearest even,
+// saturating to +-448 for e4m3) equals float_to_e4m3 bit for bit except for NaN, which
+// float_to_e4m3 writes as 0x7f whatever its sign (test_cuda_backend.py:
+// test_e4m3_codes_match_cpu_bit_for_bit).
+template <ElemType QT>
+__device__ __forceinline__ uint32_t code_of(float c) {
+  if constexpr (QT == ElemType::kE4M3) {
+    const uint32_t hw = __nv_cvt_float_to_fp8(c, __NV_SATFINITE, __NV_E4M3);
+    return c == c ? hw : 0x7fu;
+  } else {
+    float r = rintf(c);
+    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+    return static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(r)));
+  }
+}
+
+// The code byte of v at scale s.
+template <ElemType QT>
+__device__ __forceinline__ uint32_t code_byte(float v, float s) {
+  return code_of<QT>(quant_code_value(v, s));
+}
+
+// Division by one scale without the IEEE division's per-value slow-path branch, which keeps a
+// warp's divisions from overlapping: the reciprocal of s refined once, then per value the quotient
+// and its fma correction, the instructions of the division's own fast path, so v / s bit for bit
+// where that path is exact: every operand and intermediate normal, which scale_div_ok checks
+// (with wide margins; a caller takes the plain division where it fails).
+__device__ __forceinline__ float scale_rcp(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  return fmaf(r, fmaf(r, -s, 1.0f), r);
+}
+__device__ __forceinline__ bool scale_div_ok(float v, float s) {
+  const float a = fabsf(v);  // zeros (rows of zeros too, whose scale is 0) keep their sign either way
+  return a == 0.0f || (s >= 0x1p-60f && s <= 0x1p60f && a >= 0x1p-90f && a >= s * 0x1p-60f);
+}
+__device__ __forceinline__ float scale_div(float v, float s, float rcp) {
+  const float q = v * rcp;
+  const float c = fmaf(rcp, fmaf(q, -s, v), q);
+  return v == 0.0f ? v : c;  // +-0 / s = +-0 (the correction would give +0 for -0)
+}
+
+// The codes of 8 consecutive values, first value in the lowest byte (one 8-byte store).
+template <ElemType QT>
+__device__ __forceinline__ uint2 pack_codes8(const float (&v)[8], float s) {
+  uint2 o;
+  o.x = code_byte<QT>(v[0], s) | (code_byte<QT>(v[1], s) << 8) | (code_byte<QT>(v[2], s) << 16) |
+        (code_byte<QT>(v[3], s) << 24);
+  o.y = code_byte<QT>(v[4], s) | (code_byte<QT>(v[5], s) << 8) | (code_byte<QT>(v[6], s) << 16) |
+        (code_byte<QT>(v[7], s) << 24);
+  return o;
+}
+
+// pack_codes8 for e4m3 (values outside scale_div_ok's range) out of line, so the callers'
+// unrolled loops share one copy of its code.
+static __device__ __noinline__ uint2 e4m3_codes8_exact(float v0, float v1, float v2, float v3, float v4, float v5,
+                                                       float v6, float v7, float s) {
+  const float v[8] = {v0, v1, v2, v3, v4, v5, v6, v7};
+  return pack_codes8<ElemType::kE4M3>(v, s);
+}
+
+// The e4m3 codes of 8 consecutive values at scale s, first value in the lowest byte: the
+// branch-free division where the whole warp's values allow it, else the plain one. Called by
+// every lane of the warp together.
+__device__ __forceinline__ uint2 e4m3_codes8(const float (&v)[8], float s) {
+  bool fast = true;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) fast = fast && scale_div_ok(v[i], s);
+  if (!__all_sync(0xffffffffu, fast)) return e4m3_codes8_exact(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s);
+  const float rcp = scale_rcp(s);
+  uint2 c = make_uint2(0u, 0u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    c.x |= code_of<ElemType::kE4M3>(scale_div(v[i], s, rcp)) << (8 * i);
+    c.y |= code_of<ElemType::kE4M3>(scale_div(v[4 + i], s, rcp)) << (8 * i);
+  }
+  return c;
+}
+#endif
+
+}  // namespace hj

@@ -51,25 +51,6 @@ __global__ void activation_kernel(const void* __restrict__ x, void* __restrict__
 constexpr int kVec = 8;
 constexpr int kVecThreads = 256;
 
-template <ElemType XT>
-__device__ __forceinline__ float half_to_float(uint32_t h) {
-  if constexpr (XT == ElemType::kBF16)
-    return __uint_as_float(h << 16);
-  else
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
-}
-
-template <ElemType XT>
-__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[kVec]) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
-    v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
-  }
-}
-
 // Output columns i0 .. i0 + 7 of the row starting at xr (N1 columns): activated, in float32.
 template <ElemType XT>
 __device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, int I, int i0, float (&v)[kVec]) {

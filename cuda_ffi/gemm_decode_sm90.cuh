@@ -503,15 +503,11 @@ struct Kern {
       const int r = ok ? gi / ngroups : 0, grp = gi - r * ngroups;
       float v[8];
       if (ok) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(x + static_cast<int64_t>(s_arow[r]) * D.K + grp * 128 +
-                                                               j16 * 8));
-        const uint32_t w4[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint16_t lo = static_cast<uint16_t>(w4[i] & 0xffffu), hi = static_cast<uint16_t>(w4[i] >> 16);
-          v[2 * i] = D.xq_f16 ? __half2float(__ushort_as_half(lo)) : __bfloat162float(__ushort_as_bfloat16(lo));
-          v[2 * i + 1] = D.xq_f16 ? __half2float(__ushort_as_half(hi)) : __bfloat162float(__ushort_as_bfloat16(hi));
-        }
+        const uint16_t* p = x + static_cast<int64_t>(s_arow[r]) * D.K + grp * 128 + j16 * 8;
+        if (D.xq_f16)
+          load8<ElemType::kF16>(p, v);
+        else
+          load8<ElemType::kBF16>(p, v);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.0f;

@@ -3,6 +3,7 @@
 // and the device conversion of one value, so that every kernel that quantizes writes the same codes.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +29,28 @@ struct InputQuant {
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin);
 
 #if defined(__CUDACC__)
+// One 16-bit value (the low half of h) of type XT (kBF16 or kF16) as float32.
+template <ElemType XT>
+__device__ __forceinline__ float half_to_float(uint32_t h) {
+  if constexpr (XT == ElemType::kBF16)
+    return __uint_as_float(h << 16);
+  else
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+
+// 8 consecutive 16-bit values of type XT at p (16-byte aligned, read through the read-only cache)
+// as float32.
+template <ElemType XT>
+__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
+    v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
+  }
+}
+
 // The code byte of the quotient c = v / s: the hardware conversion (round to nearest even,
 // saturating to +-448 for e4m3) equals float_to_e4m3 bit for bit except for NaN, which
 // float_to_e4m3 writes as 0x7f whatever its sign (test_cuda_backend.py:

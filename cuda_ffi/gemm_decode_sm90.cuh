@@ -489,38 +489,29 @@ struct Kern {
   // Whole mode with 16-bit token rows (DecodeLaunch::xq): the item's rows quantized into the
   // whole-K activation rows (fp8 e4m3, one scale per 128 k, as group_quant_vec_kernel: the same
   // maximum, scale and codes) and their scales beside them, by the whole CTA: each half warp takes
-  // one 128-k group of a row, 8 values per lane, in passes of kThreads / 16 groups.
-  // xq_first_raw: this lane's 16 bytes of the first pass (zeros past the rows), loaded before the
-  // weight stages so that they do not queue behind them; the later passes load their own.
-  static __device__ __forceinline__ const uint16_t* xq_lane_ptr(const DecodeLaunch& D, const int32_t* s_arow,
-                                                                int gi, int ngroups, int j16) {
-    const int r = gi / ngroups, grp = gi - r * ngroups;
-    return static_cast<const uint16_t*>(D.xq) + static_cast<int64_t>(s_arow[r]) * D.K + grp * 128 + j16 * 8;
-  }
-  static __device__ __forceinline__ uint4 xq_first_raw(const DecodeLaunch& D, int nvalid, const int32_t* s_arow,
-                                                       int tid) {
-    const int ngroups = D.K >> 7, gi = (tid >> 5) * 2 + ((tid & 31) >> 4);
-    if (gi >= nvalid * ngroups) return make_uint4(0u, 0u, 0u, 0u);
-    return __ldg(reinterpret_cast<const uint4*>(xq_lane_ptr(D, s_arow, gi, ngroups, tid & 15)));
-  }
-  // The loop runs warp-uniformly (shuffles, vote).
+  // one 128-k group of a row, 8 values per lane. The loop runs warp-uniformly (shuffles, vote).
   static __device__ __noinline__ void quantize_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
-                                                                 const int32_t* s_arow, int tid, uint4 raw) {
+                                                                 const int32_t* s_arow, int tid) {
     const int ngroups = D.K >> 7, total = nvalid * ngroups;
     const int lane = tid & 31, j16 = lane & 15;
     uint8_t* abase = smem + kStages * kWStageBytes;
     float* sxs = reinterpret_cast<float*>(abase + xq_scales_offset(D));
+    const uint16_t* x = static_cast<const uint16_t*>(D.xq);
     for (int base = (tid >> 5) * 2; base < total; base += kThreads / 16) {
       const int gi = base + (lane >> 4);
       const bool ok = gi < total;
-      if (base != (tid >> 5) * 2)  // a later pass
-        raw = ok ? __ldg(reinterpret_cast<const uint4*>(xq_lane_ptr(D, s_arow, gi, ngroups, j16)))
-                 : make_uint4(0u, 0u, 0u, 0u);
+      const int r = ok ? gi / ngroups : 0, grp = gi - r * ngroups;
       float v[8];
-      if (D.xq_f16)
-        unpack8<ElemType::kF16>(raw, v);
-      else
-        unpack8<ElemType::kBF16>(raw, v);
+      if (ok) {
+        const uint16_t* p = x + static_cast<int64_t>(s_arow[r]) * D.K + grp * 128 + j16 * 8;
+        if (D.xq_f16)
+          load8<ElemType::kF16>(p, v);
+        else
+          load8<ElemType::kBF16>(p, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+      }
       float m = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(v[i]));
@@ -529,7 +520,6 @@ struct Kern {
       const float sc = quant_scale(ActQuant::kFp8E4M3, m);
       const uint2 codes = e4m3_codes8(v, sc);
       if (ok) {
-        const int r = gi / ngroups, grp = gi - r * ngroups;
         *reinterpret_cast<uint2*>(abase + r * D.whole_row_bytes + grp * 128 + j16 * 8) = codes;
         if (j16 == 0) sxs[r * ngroups + grp] = sc;
       }
@@ -865,9 +855,6 @@ struct Kern {
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
 
-    // 16-bit token rows (D.xq): the first pass's loads go out ahead of everything else.
-    uint4 xq_raw = make_uint4(0u, 0u, 0u, 0u);
-    if constexpr (kFusedQ) xq_raw = xq_first_raw(D, item.nvalid, s_arow, tid);
     Scales<TOKT> s0, s1, s2n;  // this iteration, the next, the one after
     load_scales<TOKT>(D, item, 0, wk, lane, s_arow, s0);
     load_scales<TOKT>(D, item, 1, wk, lane, s_arow, s1);
@@ -884,7 +871,7 @@ struct Kern {
     }
     // 16-bit token rows (D.xq): quantized while the first stages' weights are in flight (every
     // item is whole, host-checked); the first iteration's barrier publishes them.
-    if constexpr (kFusedQ) quantize_whole_activations(D, item.nvalid, smem, s_arow, tid, xq_raw);
+    if constexpr (kFusedQ) quantize_whole_activations(D, item.nvalid, smem, s_arow, tid);
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();

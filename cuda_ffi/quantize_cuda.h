@@ -38,23 +38,17 @@ __device__ __forceinline__ float half_to_float(uint32_t h) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 
-// 8 consecutive 16-bit values of type XT (kBF16 or kF16), first in the lowest half of u.x, as
-// float32.
+// 8 consecutive 16-bit values of type XT at p (16-byte aligned, read through the read-only cache)
+// as float32.
 template <ElemType XT>
-__device__ __forceinline__ void unpack8(const uint4& u, float (&v)[8]) {
+__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
     v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
   }
-}
-
-// 8 consecutive 16-bit values of type XT at p (16-byte aligned, read through the read-only cache)
-// as float32.
-template <ElemType XT>
-__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
-  unpack8<XT>(__ldg(reinterpret_cast<const uint4*>(p)), v);
 }
 
 // The code byte of the quotient c = v / s: the hardware conversion (round to nearest even,

@@ -65,14 +65,8 @@ Error ActivationQuantCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> sca
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, s.R, s.I, group_k, &kind));
-  const ElemType t = elem_type_of(x.element_type());
-  const Activation act = static_cast<Activation>(activation);
-  float* sc = static_cast<float*>(scale->untyped_data());
-  parallel_for(s.R, s.N1 * 8, [&](int64_t r) {
-    std::vector<float> v(static_cast<size_t>(s.I));
-    activation_row(act, limit, t, x.untyped_data(), r, s.N1, s.I, v.data());
-    quantize_row(kind, v.data(), s.I, group_k, r, q->untyped_data(), sc);
-  });
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), s.R, s.N1, s.I, static_cast<int>(activation),
+                    limit, group_k, kind, q->untyped_data(), static_cast<float*>(scale->untyped_data()));
   return Error::Success();
 }
 
@@ -82,18 +76,21 @@ Error QuantizeCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int
   HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &R, &K));
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, R, K, group_k, &kind));
-  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), R, K, group_k, kind, q->untyped_data(),
-                    static_cast<float*>(scale->untyped_data()));
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), R, K, K, -1, 0.0f, group_k, kind,
+                    q->untyped_data(), static_cast<float*>(scale->untyped_data()));
   return Error::Success();
 }
 
 }  // namespace
 
-void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t K, int64_t group_k, ActQuant kind, void* q,
-                       float* scale) {
-  parallel_for(R, K * 4, [&](int64_t r) {
+void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_t K, int act, float limit,
+                       int64_t group_k, ActQuant kind, void* q, float* scale) {
+  parallel_for(R, N1 * 8, [&](int64_t r) {
     std::vector<float> v(static_cast<size_t>(K));
-    for (int64_t k = 0; k < K; ++k) v[k] = load_elem(xt, x, r * K + k);
+    if (act >= 0)
+      activation_row(static_cast<Activation>(act), limit, xt, x, r, N1, K, v.data());
+    else
+      for (int64_t k = 0; k < K; ++k) v[k] = load_elem(xt, x, r * K + k);
     quantize_row(kind, v.data(), K, group_k, r, q, scale);
   });
 }

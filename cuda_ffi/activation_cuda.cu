@@ -51,40 +51,6 @@ __global__ void activation_kernel(const void* __restrict__ x, void* __restrict__
 constexpr int kVec = 8;
 constexpr int kVecThreads = 256;
 
-// Output columns i0 .. i0 + 7 of the row starting at xr (N1 columns): activated, in float32.
-template <ElemType XT>
-__device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, int I, int i0, float (&v)[kVec]) {
-  if (act < 0) {
-    load8<XT>(xr + i0, v);
-    return;
-  }
-  const Activation a = static_cast<Activation>(act);
-  if (!activation_is_gated(a)) {
-    load8<XT>(xr + i0, v);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = activation_single(a, v[e]);
-    return;
-  }
-  float g[kVec], u[kVec];
-  if (a == Activation::kSwigluOai) {  // interleaved: gate 2i, up 2i + 1
-    float p0[kVec], p1[kVec];
-    load8<XT>(xr + 2 * i0, p0);
-    load8<XT>(xr + 2 * i0 + kVec, p1);
-#pragma unroll
-    for (int e = 0; e < kVec / 2; ++e) {
-      g[e] = p0[2 * e];
-      u[e] = p0[2 * e + 1];
-      g[e + kVec / 2] = p1[2 * e];
-      u[e + kVec / 2] = p1[2 * e + 1];
-    }
-  } else {  // halves: gate i, up I + i
-    load8<XT>(xr + i0, g);
-    load8<XT>(xr + I + i0, u);
-  }
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) v[e] = activation_gated(a, g[e], u[e], limit);
-}
-
 template <ElemType XT>
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   if constexpr (XT == ElemType::kBF16)
@@ -313,13 +279,12 @@ Error ActivationQuantCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q,
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, s.R, s.I, group_k, &kind));
-  const int act = static_cast<int>(activation);
-  float* sc = static_cast<float*>(scale->untyped_data());
-  if (elem_type_of(x.element_type()) == ElemType::kF16)
-    return launch_quant<ElemType::kF16>(call, stream, x.untyped_data(), q->untyped_data(), sc, act, limit, s.R, s.N1,
-                                        s.I, group_k, kind);
-  return launch_quant<ElemType::kBF16>(call, stream, x.untyped_data(), q->untyped_data(), sc, act, limit, s.R, s.N1,
-                                       s.I, group_k, kind);
+  InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), kind, s.R, s.I, group_k, q->untyped_data(),
+                 static_cast<float*>(scale->untyped_data())};
+  qin.act = static_cast<int>(activation);
+  qin.limit = limit;
+  qin.N1 = s.N1;
+  return launch_quantize(call, stream, qin);
 }
 
 Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
@@ -336,11 +301,12 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
 }  // namespace
 
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
+  const int64_t n1 = qin.act < 0 ? qin.K : qin.N1;
   if (qin.xt == ElemType::kF16)
-    return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, -1, 0.0f, qin.rows, qin.K, qin.K,
-                                        qin.group_k, qin.kind);
-  return launch_quant<ElemType::kBF16>(call, stream, qin.x, qin.q, qin.scale, -1, 0.0f, qin.rows, qin.K, qin.K,
-                                       qin.group_k, qin.kind);
+    return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, n1,
+                                        qin.K, qin.group_k, qin.kind);
+  return launch_quant<ElemType::kBF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, n1,
+                                       qin.K, qin.group_k, qin.kind);
 }
 
 }  // namespace hj

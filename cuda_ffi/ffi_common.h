@@ -396,8 +396,9 @@ auto bind_gemm_indexed() {
 }
 
 // gemm_indexed_quant(x, (unused), w..., sorted_ids, block_expert_ids, num_tokens_post_padded)
-//   -> c, q, q_scale: gemm_indexed of quantize(x) (the codes and scales also land in q / q_scale,
-//   except where a kernel quantizes as it loads: then their contents are unspecified)
+//   -> c, q, q_scale: gemm_indexed of quantize(x), or of activation_quant(x, activation, limit)
+//   when activation >= 0 (the codes and scales also land in q / q_scale, except where a kernel
+//   quantizes as it loads: then their contents are unspecified)
 template <typename PlatformCtx>
 auto bind_gemm_indexed_quant() {
   return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
@@ -405,11 +406,13 @@ auto bind_gemm_indexed_quant() {
       .template Arg<AnyBuffer>()  // block_expert_ids
       .template Arg<AnyBuffer>()  // num_tokens_post_padded
       .template Ret<AnyBuffer>()  // c [M * top_k, N]
-      .template Ret<AnyBuffer>()  // q [M, K]: fp8 e4m3 or int8 codes of x
+      .template Ret<AnyBuffer>()  // q [M, K]: fp8 e4m3 or int8 codes of (the activation of) x
       .template Ret<AnyBuffer>()  // q_scale [M, groups] f32
       HJ_GEMM_ATTRS
       .template Attr<int64_t>("gather_div")
-      .template Attr<int64_t>("block_m");
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("activation")  // -1: none
+      .template Attr<float>("limit");
 }
 
 // gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace
@@ -699,16 +702,22 @@ inline Error check_quantize_input(const std::string& call, const AnyBuffer& x, i
   return Error::Success();
 }
 
-// gemm_indexed_quant: x [M, K] 16-bit, quantized into q / q_scale (act_group_k: the group, 0 per
-// row), then the indexed GEMM of those codes. *p describes the GEMM over q / q_scale.
+// gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized
+// into q / q_scale [M, K] (act_group_k: the group, 0 per row), then the indexed GEMM of those
+// codes. *p describes the GEMM over q / q_scale; *shape gives x's rows, its columns and K.
 inline Error parse_gemm_indexed_quant(const std::string& call, const AnyBuffer& x, const AnyBuffer& qweight,
                                       const AnyBuffer& scale, const AnyBuffer& zero, const AnyBuffer& scale2,
-                                      const AnyBuffer& bias, const GemmAttrs& at, const AnyBuffer& c,
-                                      const AnyBuffer& q, const AnyBuffer& q_scale, GemmProblem* p,
-                                      ActQuant* kind) {
-  int64_t R = 0, K = 0;
-  HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &R, &K));
-  HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, R, K, at.act_group_k, kind));
+                                      const AnyBuffer& bias, const GemmAttrs& at, int64_t activation,
+                                      const AnyBuffer& c, const AnyBuffer& q, const AnyBuffer& q_scale,
+                                      GemmProblem* p, ActQuant* kind, ActivationShape* shape) {
+  if (activation >= 0) {
+    HJ_RETURN_IF_ERROR(check_activation(call, x, activation, shape));
+  } else {
+    if (activation != -1) return invalid(call, "unknown activation " + std::to_string(activation));
+    HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &shape->R, &shape->N1));
+    shape->I = shape->N1;
+  }
+  HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, shape->R, shape->I, at.act_group_k, kind));
   HJ_RETURN_IF_ERROR(parse_gemm(call, q, q_scale, qweight, scale, zero, scale2, bias, at, c, p));
   return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
 }

@@ -314,16 +314,18 @@ int64_t quant_decode_rows_per_expert(WeightType t) {
 
 namespace {
 
-// Whether the decode kernel can quantize qin's rows as it takes the call: the fp8 x fp8 variant,
-// fp8 e4m3 codes in 128-k groups of 16-bit rows, 16-byte aligned, every item's rows held whole
-// (whole_rows covers the most rows an item has), and shared memory for their scales.
+// Whether the decode kernel can quantize qin's rows (activating them first where qin says so) as it
+// takes the call: the fp8 x fp8 variant, fp8 e4m3 codes in 128-k groups of 16-bit rows, 16-byte
+// aligned, every item's rows held whole (whole_rows covers the most rows an item has), and shared
+// memory for their scales.
 bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin) {
   const DecodeLaunch& D = pl.D;
   if (L.mode != RowMode::kIndexed || L.p.w.type != WeightType::kFp8E4M3 || pl.ak != ActKind::kFp8 ||
       pl.dq != Deq::kCodes)
     return false;
+  const int64_t cols = qin.act < 0 ? qin.K : qin.N1;
   if (qin.kind != ActQuant::kFp8E4M3 || qin.group_k != 128 || qin.K != D.K || D.K % 128 != 0 ||
-      (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16) || !aligned_to(qin.x, 16))
+      (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16) || !aligned_to(qin.x, 16) || cols % 8 != 0)
     return false;
   if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
   return static_cast<int64_t>(kStages) * kWStageBytes + xq_region_bytes(D) <= kMaxDynamicSmem;
@@ -358,6 +360,9 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   if (fuse) {
     pl.D.xq = qin->x;
     pl.D.xq_f16 = qin->xt == ElemType::kF16 ? 1 : 0;
+    pl.D.xq_act = qin->act;
+    pl.D.xq_limit = qin->limit;
+    pl.D.xq_cols = qin->act < 0 ? qin->K : qin->N1;
     pl.D.act_region_bytes = xq_region_bytes(pl.D);
     pl.smem = decode_smem_bytes(pl.D);
   }

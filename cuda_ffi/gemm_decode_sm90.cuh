@@ -111,11 +111,15 @@ struct DecodeLaunch {
   // sequence, a 64-bit one a subroutine): 16-byte activation units per whole row, the scale
   // grid's group_n, the indexed layout's gather_div (id -> activation row).
   FastDiv div_upr, div_gn, div_gather;
-  // gemm_indexed_quant on the fp8 x fp8 variant: non-null, the 16-bit token rows [a_rows, K] that
-  // each item quantizes into its whole-K activation rows (fp8 e4m3, 128-k groups), the scales
-  // beside them in shared memory (xq_scales_offset); the codes and scales of g.p.a are not read.
+  // gemm_indexed_quant on the fp8 x fp8 variant: non-null, the 16-bit rows [a_rows, xq_cols] that
+  // each item activates (xq_act >= 0: an Activation code, with xq_limit) and quantizes into its
+  // whole-K activation rows (fp8 e4m3, 128-k groups), the scales beside them in shared memory
+  // (xq_scales_offset); the codes and scales of g.p.a are not read.
   const void* xq;
   int xq_f16;  // xq holds float16 (else bfloat16)
+  int xq_act;
+  float xq_limit;
+  int64_t xq_cols;
 };
 
 // The quantized rows' scales in the activation region: [whole_rows][K / 128] float32 after the
@@ -486,10 +490,11 @@ struct Kern {
     }
   }
 
-  // Whole mode with 16-bit token rows (DecodeLaunch::xq): the item's rows quantized into the
-  // whole-K activation rows (fp8 e4m3, one scale per 128 k, as group_quant_vec_kernel: the same
-  // maximum, scale and codes) and their scales beside them, by the whole CTA: each half warp takes
-  // one 128-k group of a row, 8 values per lane. The loop runs warp-uniformly (shuffles, vote).
+  // Whole mode with 16-bit rows (DecodeLaunch::xq): the item's rows activated (or not) and
+  // quantized into the whole-K activation rows (fp8 e4m3, one scale per 128 k, as the
+  // activation_quant / quantize kernels: the same values, maximum, scale and codes) and their
+  // scales beside them, by the whole CTA: each half warp takes one 128-k group of a row, 8 values
+  // per lane. The loop runs warp-uniformly (shuffles, vote).
   static __device__ __noinline__ void quantize_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
                                                                  const int32_t* s_arow, int tid) {
     const int ngroups = D.K >> 7, total = nvalid * ngroups;
@@ -503,11 +508,11 @@ struct Kern {
       const int r = ok ? gi / ngroups : 0, grp = gi - r * ngroups;
       float v[8];
       if (ok) {
-        const uint16_t* p = x + static_cast<int64_t>(s_arow[r]) * D.K + grp * 128 + j16 * 8;
+        const uint16_t* xr = x + static_cast<int64_t>(s_arow[r]) * D.xq_cols;
         if (D.xq_f16)
-          load8<ElemType::kF16>(p, v);
+          act8<ElemType::kF16>(D.xq_act, D.xq_limit, xr, D.K, grp * 128 + j16 * 8, v);
         else
-          load8<ElemType::kBF16>(p, v);
+          act8<ElemType::kBF16>(D.xq_act, D.xq_limit, xr, D.K, grp * 128 + j16 * 8, v);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.0f;

@@ -21,10 +21,11 @@ namespace decode {
 // quant_decode_rows_per_expert), batched with T <= 16; 16-byte aligned rows; scale groups that
 // fit the kernel's chunks; a compute capability 9.0 device. HUMMING_JAX_DECODE=0 turns it off,
 // HUMMING_JAX_DECODE_LOG=1 prints each decision to stderr.
-// qin (gemm_indexed_quant): L.p.a is the quantization of qin->x. When a kernel is launched, the
-// quantization kernel runs first, or the decode kernel quantizes the token rows itself where every
-// work item holds them whole (fp8 e4m3 in 128-k groups; HUMMING_JAX_DECODE_QUANT=0: never). When
-// nothing is launched it may have run already; running it again is harmless.
+// qin (gemm_indexed_quant): L.p.a is the quantization of qin->x (activated first where qin->act >=
+// 0). When a kernel is launched, the quantization kernel runs first, or the decode kernel quantizes
+// the rows itself where every work item holds them whole (fp8 e4m3 in 128-k groups;
+// HUMMING_JAX_DECODE_QUANT=0: never). When nothing is launched it may have run already; running it
+// again is harmless.
 Error launch_decode(const std::string& call, const gemm::GemmLaunch& L, cudaStream_t stream, bool* launched,
                     const InputQuant* qin = nullptr);
 

@@ -8,9 +8,10 @@
 
 namespace hj {
 
-// x [R, K] (xt: bf16 or f16) -> q [R, K] codes and scale [R, groups]: scale = absmax / qmax per
-// group of group_k columns (0: per row), codes = the values over the scale, rounded to nearest.
-void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t K, int64_t group_k, ActQuant kind, void* q,
-                       float* scale);
+// x [R, N1] (xt: bf16 or f16), each row activated (act: an Activation code; -1: none, N1 = K) into
+// K columns -> q [R, K] codes and scale [R, groups]: scale = absmax / qmax per group of group_k
+// columns (0: per row), codes = the values over the scale, rounded to nearest.
+void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_t K, int act, float limit,
+                       int64_t group_k, ActQuant kind, void* q, float* scale);
 
 }  // namespace hj

@@ -14,8 +14,9 @@
 
 namespace hj {
 
-// 16-bit rows x [rows, K] to be quantized into q [rows, K] (fp8 e4m3 or int8 codes) and scale
-// [rows, groups] (scale = absmax / qmax per group of group_k columns, 0: per row).
+// 16-bit rows x [rows, N1], each activated (act: an Activation code; -1: none, N1 = K) into K
+// columns and quantized into q [rows, K] (fp8 e4m3 or int8 codes) and scale [rows, groups] (scale =
+// absmax / qmax per group of group_k columns, 0: per row): the quantize or activation_quant call.
 struct InputQuant {
   const void* x;
   ElemType xt;  // kBF16 or kF16
@@ -23,6 +24,9 @@ struct InputQuant {
   int64_t rows, K, group_k;
   void* q;
   float* scale;
+  int act = -1;
+  float limit = 0.0f;
+  int64_t N1 = 0;  // x's columns (K when act < 0)
 };
 
 // Launches the quantization of qin (moe_contract.h's values, bit for bit as on the CPU).
@@ -49,6 +53,40 @@ __device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
     v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
     v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
   }
+}
+
+// Output columns i0 .. i0 + 7 of the row starting at xr (N1 columns): activated, in float32.
+template <ElemType XT>
+__device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, int I, int i0, float (&v)[8]) {
+  if (act < 0) {
+    load8<XT>(xr + i0, v);
+    return;
+  }
+  const Activation a = static_cast<Activation>(act);
+  if (!activation_is_gated(a)) {
+    load8<XT>(xr + i0, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = activation_single(a, v[e]);
+    return;
+  }
+  float g[8], u[8];
+  if (a == Activation::kSwigluOai) {  // interleaved: gate 2i, up 2i + 1
+    float p0[8], p1[8];
+    load8<XT>(xr + 2 * i0, p0);
+    load8<XT>(xr + 2 * i0 + 8, p1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      g[e] = p0[2 * e];
+      u[e] = p0[2 * e + 1];
+      g[e + 4] = p1[2 * e];
+      u[e + 4] = p1[2 * e + 1];
+    }
+  } else {  // halves: gate i, up I + i
+    load8<XT>(xr + i0, g);
+    load8<XT>(xr + I + i0, u);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = activation_gated(a, g[e], u[e], limit);
 }
 
 // The code byte of the quotient c = v / s: the hardware conversion (round to nearest even,

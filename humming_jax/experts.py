@@ -229,10 +229,10 @@ class _StandardExperts(FusedMoEExperts):
 
 
 def fused_input_quant() -> bool:
-    """Whether the indexed class quantizes GEMM1's input in the GEMM's own call
-    (``gemm_indexed_quant``; the default) rather than in a call of its own. Read at trace time from
-    ``HUMMING_JAX_FUSED_INPUT_QUANT`` (``0``: the separate call, for A/B timing); the values are the
-    same either way."""
+    """Whether the indexed class quantizes each GEMM's input (GEMM2's after the activation) in the
+    GEMM's own call (``gemm_indexed_quant``; the default) rather than in calls of their own. Read
+    at trace time from ``HUMMING_JAX_FUSED_INPUT_QUANT`` (``0``: the separate calls, for A/B
+    timing); the values are the same either way."""
     return os.environ.get("HUMMING_JAX_FUSED_INPUT_QUANT", "1") != "0"
 
 
@@ -250,15 +250,18 @@ class IndexedExperts(_StandardExperts):
         dtype = x.dtype
         common = dict(rows=m * k, block_m=block_m, out_dtype=dtype)
         if quant is not None and fused_input_quant():
-            gu = gemm_ops.gemm_indexed_quant(
-                x, weights.w13, weights.b13, routing, gather_div=k, quant=quant[0], act_group_k=quant[1], **common
+            # Each GEMM quantizes its own input (GEMM2 after the activation) in its call.
+            fq = dict(quant=quant[0], act_group_k=quant[1], **common)
+            gu = gemm_ops.gemm_indexed_quant(x, weights.w13, weights.b13, routing, gather_div=k, **fq)
+            d = gemm_ops.gemm_indexed_quant(
+                gu, weights.w2, weights.b2, routing, gather_div=1, activation=activation, limit=limit, **fq
             )
-        else:
-            a, a_scale, agk = x, None, 0
-            if quant is not None:
-                a, a_scale = act_ops.quantize(x, quant[0], quant[1])
-                agk = quant[1]
-            gu = gemm_ops.gemm_indexed(a, a_scale, weights.w13, weights.b13, routing, gather_div=k, act_group_k=agk, **common)
+            return d, routing.src_rows
+        a, a_scale, agk = x, None, 0
+        if quant is not None:
+            a, a_scale = act_ops.quantize(x, quant[0], quant[1])
+            agk = quant[1]
+        gu = gemm_ops.gemm_indexed(a, a_scale, weights.w13, weights.b13, routing, gather_div=k, act_group_k=agk, **common)
         a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)
         d = gemm_ops.gemm_indexed(a2, a2_scale, weights.w2, weights.b2, routing, gather_div=1, act_group_k=agk2, **common)
         return d, routing.src_rows

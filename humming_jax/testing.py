@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from ._abi import WeightType
+from .activations import get_activation
 from .experts import indexed_block_m
 from .ops import activation as act_ops
 from .ops import gemm as gemm_ops
@@ -128,31 +129,44 @@ def indexed_quant_forms(
     dtype: Any,
     quant: tuple[str, int],
     ids: jax.Array,
+    activation: str | None = None,
+    limit: float | None = None,
 ) -> tuple[Callable[..., dict], tuple]:
-    """GEMM1 of one random problem (rows gathered by id // k) both ways: ``gemm_indexed_quant``
-    (the input quantized inside the GEMM's call) and ``quantize`` + ``gemm_indexed``. Token rows
-    span six decades of magnitude, so the per-group scales differ row to row. Returns (fn,
-    operands); fn(x, ids, w, bias) gives a dict: fused, two, src (the routing's source rows)."""
+    """One random indexed GEMM both ways: ``gemm_indexed_quant`` (the input quantized inside the
+    GEMM's call) and the separate calls. Without ``activation``, GEMM1's form: token rows gathered
+    by id // k, ``quantize`` + ``gemm_indexed``; with it, GEMM2's: one row per id, twice the
+    columns for a gated activation, ``activation_quant`` + ``gemm_indexed``. Rows span six decades
+    of magnitude (three with an activation), so the per-group scales differ row to row. Returns (fn, operands); fn(x, ids, w,
+    bias) gives a dict: fused, two, src (the routing's source rows)."""
     e, kdim = w.num_experts, w.k
     m, k = ids.shape
-    mags = 10.0 ** rng.uniform(-3, 3, (m, 1))
-    xf = rng.standard_normal((m, kdim)) * mags
+    rows, gather_div, cols, decades = m, k, kdim, 3.0
+    if activation is not None:  # a gated product squares the magnitudes: half the decades (float16)
+        spec, _ = get_activation(activation, limit)
+        rows, gather_div, cols, decades = m * k, 1, 2 * kdim if spec.gated else kdim, 1.5
+    mags = 10.0 ** rng.uniform(-decades, decades, (rows, 1))
+    xf = rng.standard_normal((rows, cols)) * mags
     # Values a division by the scale treats apart: signed zeros, values far below their group's
-    # maximum (bf16 keeps them: ~1e-25 of it), and with more than one token a row of zeros.
-    xf[rng.random((m, kdim)) < 0.03] = 0.0
-    xf[rng.random((m, kdim)) < 0.03] = -0.0
-    tiny = rng.random((m, kdim)) < 0.02
+    # maximum (bf16 keeps them: ~1e-25 of it), and with more than one row a row of zeros.
+    xf[rng.random((rows, cols)) < 0.03] = 0.0
+    xf[rng.random((rows, cols)) < 0.03] = -0.0
+    tiny = rng.random((rows, cols)) < 0.02
     xf[tiny] *= 1e-25
-    if m > 1:
-        xf[m // 2] = 0.0
+    if rows > 1:
+        xf[rows // 2] = 0.0
     x = jnp.asarray(xf, dtype)
     bm = indexed_block_m(m * k, e)
 
     def fn(x, ids, w, bias):
         r = routing_ops.routing_indexed(ids, None, e, bm)
-        common = dict(rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype)
-        fused = gemm_ops.gemm_indexed_quant(x, w, bias, r, quant=quant[0], act_group_k=quant[1], **common)
-        a, s = act_ops.quantize(x, quant[0], quant[1])
+        common = dict(rows=m * k, gather_div=gather_div, block_m=bm, out_dtype=dtype)
+        fused = gemm_ops.gemm_indexed_quant(
+            x, w, bias, r, quant=quant[0], act_group_k=quant[1], activation=activation, limit=limit, **common
+        )
+        if activation is None:
+            a, s = act_ops.quantize(x, quant[0], quant[1])
+        else:
+            a, s = act_ops.activation_quant(x, activation, limit, quant[0], quant[1])
         two = gemm_ops.gemm_indexed(a, s, w, bias, r, act_group_k=quant[1], **common)
         return dict(fused=fused, two=two, src=r.src_rows)
 

@@ -86,15 +86,17 @@ def main() -> None:
     gemm_all_forms(PackedWeight(jnp.asarray(rng.standard_normal((2, 130, 21)), jnp.float16), wtype=WeightType.FLOAT,
                                 k=21), None, jnp.float16, None)
 
-    # GEMM1 quantizing its own input (gemm_indexed_quant): in the decode kernel where it takes the
-    # call with every item whole, else after the quantization kernel (the fp8 ring among them).
-    for dtype, (m, topk, e, n, k) in itertools.product((jnp.bfloat16, jnp.float16),
-                                                     ((1, 8, 16, 264, 256), (16, 4, 8, 200, 384))):
+    # A GEMM quantizing its own input (gemm_indexed_quant; GEMM2's form after a gated activation):
+    # in the decode kernel where it takes the call with every item whole, else after the
+    # quantization kernel (the fp8 ring among them).
+    for dtype, (m, topk, e, n, k), act in itertools.product((jnp.bfloat16, jnp.float16),
+                                                          ((1, 8, 16, 264, 256), (16, 4, 8, 200, 384)),
+                                                          (None, "silu")):
         w = SCHEMES["w8a8-fp8-block128"].quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, dtype)
         bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
         ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
         ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
-        fn, operands = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids)
+        fn, operands = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids, act)
         run(fn, *operands)
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on

@@ -757,23 +757,30 @@ _FUSED_QUANT_ENV = {"default": {}, "decode": _NO_RING,
                     "decode-wk4": {**_NO_RING, "HUMMING_JAX_DECODE_WK": "4"}, "ring": _RING}
 
 
+# GEMM1's form on every variant; GEMM2's (activation halves, interleaved) on the kernels that run it.
+_FUSED_QUANT_CASES = [(None, None, v) for v in sorted(_FUSED_QUANT_ENV)] + [
+    (a, lim, v) for a, lim in (("silu", None), ("swigluoai", 7.0)) for v in ("decode", "decode-unfused", "ring")
+]
+
+
 @requires_decode
-@pytest.mark.parametrize("variant", sorted(_FUSED_QUANT_ENV))
+@pytest.mark.parametrize("activation,limit,variant", _FUSED_QUANT_CASES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("m,k,e,n,kdim", [(1, 8, 128, 264, 256), (16, 4, 8, 200, 384),
                                           (16, 8, 64, 2048, 512), (3, 2, 6, 96, 2048)])
-def test_decode_fused_input_quant_matches_two_calls_and_cpu(rng, monkeypatch, variant, dtype, m, k, e, n, kdim):
-    """The fused call gives the two calls' bits on the GPU (quantization is exact: the same codes
-    and scales whichever kernel quantizes) and agrees with the CPU; the counters show which kernel
-    quantized."""
+def test_decode_fused_input_quant_matches_two_calls_and_cpu(rng, monkeypatch, activation, limit, variant, dtype, m,
+                                                            k, e, n, kdim):
+    """The fused call gives the separate calls' bits on the GPU (quantization is exact: the same
+    codes and scales whichever kernel quantizes) and agrees with the CPU; the counters show which
+    kernel quantized. GEMM1's form, and GEMM2's with the activation (halves or interleaved)."""
     for name, value in _FUSED_QUANT_ENV[variant].items():
         monkeypatch.setenv(name, value)
     w = _decode_weights(rng, "w8a8-fp8-block128", dtype, e, n, kdim)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
     ids, _ = _decode_routing(rng, m, k, e)
     ids = jnp.where(ids >= e, -1, ids)  # no expert map on this call: remote ids become padding
-    fn, ops = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids)
-    what = f"{variant} {jnp.dtype(dtype).name} M={m} E={e} N={n} K={kdim}"
+    fn, ops = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids, activation, limit)
+    what = f"{variant} {activation} {jnp.dtype(dtype).name} M={m} E={e} N={n} K={kdim}"
     with _LaunchCount(_DECODE_QUANT_LAUNCHES) as fused, _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
         got = _run_on(GPU, fn, ops)
     valid = got["src"].reshape(-1) >= 0

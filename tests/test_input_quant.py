@@ -1,6 +1,7 @@
-"""gemm_indexed_quant: GEMM1 with its input quantized inside the GEMM's call gives the bits of the
-separate quantize + gemm_indexed calls, on whichever backend runs the tests (the GPU's fused decode
-kernel has its own tests in test_cuda_fast_paths.py)."""
+"""gemm_indexed_quant: a GEMM with its input quantized inside the GEMM's call (GEMM1's; GEMM2's
+after the activation) gives the bits of the separate quantize / activation_quant + gemm_indexed
+calls, on whichever backend runs the tests (the GPU's fused decode kernel has its own tests in
+test_cuda_fast_paths.py)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ def _ids(rng, m, k, e, pad=0.15):
     [("w8a8-fp8-block128", None), ("w8a8-fp8-channel", ("fp8", 0)), ("w8a8-int8-channel", None),
      ("w8a8-fp8-block128", ("fp8", 64))],
 )
-def test_fused_input_quant_equals_two_calls(rng, scheme, quant, dtype):
+@pytest.mark.parametrize("activation,limit", [(None, None), ("silu", None), ("swigluoai", 7.0), ("gelu_no_mul", None)])
+def test_fused_input_quant_equals_two_calls(rng, scheme, quant, dtype, activation, limit):
+    """GEMM1's form (no activation) and GEMM2's (the activation first, one row per id)."""
     e, n, kdim, m, k = 6, 40, 256, 9, 3
     w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     quant = quant or act_quant_params(SCHEMES[scheme].act_key)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    fn, ops = testing.indexed_quant_forms(rng, w, bias, dtype, quant, _ids(rng, m, k, e))
+    fn, ops = testing.indexed_quant_forms(rng, w, bias, dtype, quant, _ids(rng, m, k, e), activation, limit)
     got = jax.jit(fn)(*ops)
     valid = np.asarray(got["src"]).reshape(-1) >= 0
     fused = np.asarray(got["fused"].astype(jnp.float32))[valid]
@@ -65,3 +68,12 @@ def test_fused_input_quant_rejects_bad_input(rng):
         gemm_ops.gemm_indexed_quant(x, w, None, r, quant="fp8", act_group_k=96, **common)
     with pytest.raises(ValueError, match="unknown activation quantization"):
         gemm_ops.gemm_indexed_quant(x, w, None, r, quant="fp4", act_group_k=128, **common)
+    with pytest.raises(ValueError, match="unknown activation"):
+        gemm_ops.gemm_indexed_quant(x, w, None, r, quant="fp8", act_group_k=128, activation="tanh", **common)
+    with pytest.raises(ValueError, match="even number of columns"):
+        gemm_ops.gemm_indexed_quant(x[:, :-1], w, None, r, quant="fp8", act_group_k=128, activation="silu", **common)
+    # GEMM2's form: x's columns must be twice the weights' K for a gated activation
+    with pytest.raises(Exception, match="does not hold K = 64"):
+        jax.block_until_ready(
+            gemm_ops.gemm_indexed_quant(x, w, None, r, quant="fp8", act_group_k=64, activation="silu", **common)
+        )

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from .. import _ffi
 from .._abi import WeightType
+from ..activations import get_activation
 from ..weights import PackedWeight
 from .routing import IndexedRouting
 
@@ -84,16 +85,26 @@ def gemm_indexed_quant(
     out_dtype: Any,
     quant: str,
     act_group_k: int,
+    activation: str | None = None,
+    limit: float | None = None,
 ) -> jax.Array:
-    """``gemm_indexed`` of ``quantize(x, quant, act_group_k)`` in one call: the same values as the
-    two calls, bit for bit. On the GPU the decode kernel quantizes the token rows as it loads them
-    where it takes the launch (128-column fp8 groups); elsewhere the call quantizes first."""
+    """``gemm_indexed`` of ``quantize(x, quant, act_group_k)`` in one call, or with ``activation``
+    of ``activation_quant(x, activation, limit, quant, act_group_k)``: the same values as the two
+    calls, bit for bit. On the GPU the decode kernel activates and quantizes the rows as it loads
+    them where it takes the launch (128-column fp8 groups); elsewhere the call quantizes first."""
     from .activation import _quant_shapes  # the quantize call's result shapes and checks
 
+    act_code, lim, cols = -1, 0.0, x.shape[1]
+    if activation is not None:
+        spec, lim = get_activation(activation, limit)
+        act_code = int(spec.code)
+        if spec.gated and x.shape[1] % 2:
+            raise ValueError(f"a gated activation needs an even number of columns, got {x.shape[1]}")
+        cols = x.shape[1] // 2 if spec.gated else x.shape[1]
     ops, attrs = _operands(x, None, w, bias, act_group_k)
     c, _, _ = _ffi.call(
         "gemm_indexed_quant",
-        (jax.ShapeDtypeStruct((rows, w.n), out_dtype), *_quant_shapes(x.shape[0], x.shape[1], quant, act_group_k)),
+        (jax.ShapeDtypeStruct((rows, w.n), out_dtype), *_quant_shapes(x.shape[0], cols, quant, act_group_k)),
         *ops,
         routing.sorted_ids,
         routing.block_expert_ids,
@@ -101,6 +112,8 @@ def gemm_indexed_quant(
         **attrs,
         gather_div=gather_div,
         block_m=block_m,
+        activation=act_code,
+        limit=lim,
     )
     return c
 

@@ -314,10 +314,12 @@ int64_t quant_decode_rows_per_expert(WeightType t) {
 
 namespace {
 
-// Whether the decode kernel can quantize qin's rows (activating them first where qin says so) as it
+// Whether the decode kernel can quantize qin's rows (after silu, where qin asks for it) as it
 // takes the call: the fp8 x fp8 variant, fp8 e4m3 codes in 128-k groups of 16-bit rows, 16-byte
-// aligned, every item's rows held whole (whole_rows covers the most rows an item has), and shared
-// memory for their scales.
+// aligned, every item's rows held whole (whole_rows covers the most rows an item has), shared
+// memory for their scales, and few enough 128-k groups per item (kMaxQuantPasses).
+constexpr int kMaxQuantPasses = 2;
+
 bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin) {
   const DecodeLaunch& D = pl.D;
   if (L.mode != RowMode::kIndexed || L.p.w.type != WeightType::kFp8E4M3 || pl.ak != ActKind::kFp8 ||
@@ -327,7 +329,16 @@ bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin)
   if (qin.kind != ActQuant::kFp8E4M3 || qin.group_k != 128 || qin.K != D.K || D.K % 128 != 0 ||
       (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16) || !aligned_to(qin.x, 16) || cols % 8 != 0)
     return false;
+  // One activation, silu, the gated one of the fp8 models (their code is fetched on the path to the
+  // first MMA: the kernel holds one; benchmarks/NOTES.md v11s).
+  if (qin.act >= 0 && qin.act != static_cast<int>(Activation::kSilu)) return false;
   if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
+  // The quantization runs before the item's first MMA, one 128-k group of a row per half warp and
+  // pass, each pass waiting on its loads: more than kMaxQuantPasses passes for the expected rows
+  // of an item outlast the first weight stages (benchmarks/NOTES.md v11s: mixtral GEMM2, K = 14336,
+  // 7 passes, 1.5x slower than the quantization kernel first).
+  const int64_t rows = (L.c_rows + D.est_items - 1) / std::max(1, D.est_items);
+  if (rows * (D.K / 128) > int64_t{kMaxQuantPasses} * (kThreads / 16)) return false;
   return static_cast<int64_t>(kStages) * kWStageBytes + xq_region_bytes(D) <= kMaxDynamicSmem;
 }
 

@@ -112,7 +112,7 @@ struct DecodeLaunch {
   // grid's group_n, the indexed layout's gather_div (id -> activation row).
   FastDiv div_upr, div_gn, div_gather;
   // gemm_indexed_quant on the fp8 x fp8 variant: non-null, the 16-bit rows [a_rows, xq_cols] that
-  // each item activates (xq_act >= 0: an Activation code, with xq_limit) and quantizes into its
+  // each item activates (xq_act >= 0: silu, gated, with xq_limit) and quantizes into its
   // whole-K activation rows (fp8 e4m3, 128-k groups), the scales beside them in shared memory
   // (xq_scales_offset); the codes and scales of g.p.a are not read.
   const void* xq;
@@ -509,10 +509,13 @@ struct Kern {
       float v[8];
       if (ok) {
         const uint16_t* xr = x + static_cast<int64_t>(s_arow[r]) * D.xq_cols;
+        // The one activation taken here (quantizes_whole) known at compile time: the code runs
+        // once per item, so its size is instruction fetches on the path to the first MMA.
+        const int act = D.xq_act < 0 ? -1 : static_cast<int>(Activation::kSilu);
         if (D.xq_f16)
-          act8<ElemType::kF16>(D.xq_act, D.xq_limit, xr, D.K, grp * 128 + j16 * 8, v);
+          act8<ElemType::kF16>(act, D.xq_limit, xr, D.K, grp * 128 + j16 * 8, v);
         else
-          act8<ElemType::kBF16>(D.xq_act, D.xq_limit, xr, D.K, grp * 128 + j16 * 8, v);
+          act8<ElemType::kBF16>(act, D.xq_limit, xr, D.K, grp * 128 + j16 * 8, v);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.0f;

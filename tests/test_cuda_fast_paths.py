@@ -789,8 +789,8 @@ def test_decode_fused_input_quant_matches_two_calls_and_cpu(rng, monkeypatch, ac
     want = _run_on(CPU, fn, ops)
     np.testing.assert_array_equal(got["src"], want["src"])
     _assert_close(got["fused"][valid], want["fused"][valid], dtype, f"{what} against the CPU")
-    if variant.startswith("decode"):
-        expect = 0 if variant == "decode-unfused" else 1
+    if variant.startswith("decode"):  # the decode kernel activates with silu only
+        expect = 0 if variant == "decode-unfused" or activation not in (None, "silu") else 1
         assert (fused.count, ring.count) == (expect, 0), f"{what}: {fused.count} fused, {ring.count} ring launches"
     elif variant.startswith("ring"):
         assert (fused.count, ring.count) == (0, 2), f"{what}: {fused.count} fused, {ring.count} ring launches"

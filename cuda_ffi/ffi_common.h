@@ -704,22 +704,31 @@ inline Error check_quantize_input(const std::string& call, const AnyBuffer& x, i
 
 // gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized
 // into q / q_scale [M, K] (act_group_k: the group, 0 per row), then the indexed GEMM of those
-// codes. *p describes the GEMM over q / q_scale; *shape gives x's rows, its columns and K.
+// codes over the routing's layout.
+struct IndexedQuantCall {
+  GemmProblem p;      // the GEMM over q / q_scale
+  ActQuant kind;      // q's codes
+  ActivationShape s;  // x's rows (R) and columns (N1), K (I)
+  IndexedLayout l;
+};
 inline Error parse_gemm_indexed_quant(const std::string& call, const AnyBuffer& x, const AnyBuffer& qweight,
                                       const AnyBuffer& scale, const AnyBuffer& zero, const AnyBuffer& scale2,
-                                      const AnyBuffer& bias, const GemmAttrs& at, int64_t activation,
-                                      const AnyBuffer& c, const AnyBuffer& q, const AnyBuffer& q_scale,
-                                      GemmProblem* p, ActQuant* kind, ActivationShape* shape) {
+                                      const AnyBuffer& bias, const AnyBuffer& sorted_ids,
+                                      const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp, const GemmAttrs& at,
+                                      int64_t activation, int64_t gather_div, int64_t block_m, const AnyBuffer& c,
+                                      const AnyBuffer& q, const AnyBuffer& q_scale, IndexedQuantCall* out) {
+  ActivationShape& s = out->s;
   if (activation >= 0) {
-    HJ_RETURN_IF_ERROR(check_activation(call, x, activation, shape));
+    HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   } else {
     if (activation != -1) return invalid(call, "unknown activation " + std::to_string(activation));
-    HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &shape->R, &shape->N1));
-    shape->I = shape->N1;
+    HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &s.R, &s.N1));
+    s.I = s.N1;
   }
-  HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, shape->R, shape->I, at.act_group_k, kind));
-  HJ_RETURN_IF_ERROR(parse_gemm(call, q, q_scale, qweight, scale, zero, scale2, bias, at, c, p));
-  return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
+  HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, s.R, s.I, at.act_group_k, &out->kind));
+  HJ_RETURN_IF_ERROR(parse_gemm(call, q, q_scale, qweight, scale, zero, scale2, bias, at, c, &out->p));
+  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)}));
+  return check_indexed_layout(call, x, c, sorted_ids, block_expert_ids, ntpp, gather_div, block_m, &out->l);
 }
 
 // finalize: the result has out's shape and is apart from d, topk_weights and src_rows (it may

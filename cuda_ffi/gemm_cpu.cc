@@ -87,20 +87,15 @@ Error GemmIndexedQuantCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, 
                           int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
                           int64_t has_scale2, int64_t has_bias, int64_t act_group_k, int64_t gather_div,
                           int64_t block_m, int64_t activation, float limit) {
-  const std::string call = "gemm_indexed_quant";
-  GemmProblem p;
-  ActQuant kind;
-  ActivationShape s;
-  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(call, x, qweight, scale, zero, scale2, bias,
-                                              gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
-                                                         has_bias, act_group_k),
-                                              activation, *c, *q, *q_scale, &p, &kind, &s));
-  IndexedLayout l;
-  HJ_RETURN_IF_ERROR(check_indexed_layout(call, x, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
-                                          block_m, &l));
-  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), s.R, s.N1, s.I, static_cast<int>(activation),
-                    limit, act_group_k, kind, q->untyped_data(), static_cast<float*>(q_scale->untyped_data()));
-  gemm_indexed_runs(p, l);
+  IndexedQuantCall g;
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(
+      "gemm_indexed_quant", x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
+      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
+      block_m, *c, *q, *q_scale, &g));
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), g.s.R, g.s.N1, g.s.I,
+                    static_cast<int>(activation), limit, act_group_k, g.kind, q->untyped_data(),
+                    static_cast<float*>(q_scale->untyped_data()));
+  gemm_indexed_runs(g.p, g.l);
   return Error::Success();
 }
 

@@ -136,22 +136,17 @@ Error GemmIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*
                            int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k,
                            int64_t gather_div, int64_t block_m, int64_t activation, float limit) {
   const std::string call = "gemm_indexed_quant";
-  GemmProblem p;
-  ActQuant kind;
-  ActivationShape s;
-  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(call, x, qweight, scale, zero, scale2, bias,
-                                              gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
-                                                         has_bias, act_group_k),
-                                              activation, *c, *q, *q_scale, &p, &kind, &s));
-  IndexedLayout l;
-  HJ_RETURN_IF_ERROR(check_indexed_layout(call, x, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
-                                          block_m, &l));
-  InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), kind, s.R, s.I, act_group_k,
+  IndexedQuantCall g;
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(
+      call, x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
+      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
+      block_m, *c, *q, *q_scale, &g));
+  InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), g.kind, g.s.R, g.s.I, act_group_k,
                  q->untyped_data(), static_cast<float*>(q_scale->untyped_data())};
   qin.act = static_cast<int>(activation);
   qin.limit = limit;
-  qin.N1 = s.N1;
-  return launch_indexed(call, p, l, gather_div, block_m, stream, &qin);
+  qin.N1 = g.s.N1;
+  return launch_indexed(call, g.p, g.l, gather_div, block_m, stream, &qin);
 }
 
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,

@@ -90,8 +90,9 @@ def gemm_indexed_quant(
 ) -> jax.Array:
     """``gemm_indexed`` of ``quantize(x, quant, act_group_k)`` in one call, or with ``activation``
     of ``activation_quant(x, activation, limit, quant, act_group_k)``: the same values as the two
-    calls, bit for bit. On the GPU the decode kernel activates and quantizes the rows as it loads
-    them where it takes the launch (128-column fp8 groups); elsewhere the call quantizes first."""
+    calls, bit for bit. On the GPU the decode kernel quantizes the rows (after silu, its one
+    activation) as it loads them where it takes the launch (128-column fp8 groups, short K);
+    elsewhere the call runs the quantization (or activation + quantization) kernel first."""
     from .activation import _quant_shapes  # the quantize call's result shapes and checks
 
     act_code, lim, cols = -1, 0.0, x.shape[1]

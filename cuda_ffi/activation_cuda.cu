@@ -279,12 +279,10 @@ Error ActivationQuantCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q,
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, s.R, s.I, group_k, &kind));
-  InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), kind, s.R, s.I, group_k, q->untyped_data(),
-                 static_cast<float*>(scale->untyped_data())};
-  qin.act = static_cast<int>(activation);
-  qin.limit = limit;
-  qin.N1 = s.N1;
-  return launch_quantize(call, stream, qin);
+  return launch_quantize(call, stream,
+                         InputQuant{x.untyped_data(), elem_type_of(x.element_type()), kind, s.R, s.N1, s.I, group_k,
+                                    q->untyped_data(), static_cast<float*>(scale->untyped_data()),
+                                    static_cast<int>(activation), limit});
 }
 
 Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
@@ -294,18 +292,17 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
   ActQuant kind;
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, *q, *scale, R, K, group_k, &kind));
   return launch_quantize(call, stream,
-                         InputQuant{x.untyped_data(), elem_type_of(x.element_type()), kind, R, K, group_k,
+                         InputQuant{x.untyped_data(), elem_type_of(x.element_type()), kind, R, K, K, group_k,
                                     q->untyped_data(), static_cast<float*>(scale->untyped_data())});
 }
 
 }  // namespace
 
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
-  const int64_t n1 = qin.act < 0 ? qin.K : qin.N1;
   if (qin.xt == ElemType::kF16)
-    return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, n1,
+    return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, qin.N1,
                                         qin.K, qin.group_k, qin.kind);
-  return launch_quant<ElemType::kBF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, n1,
+  return launch_quant<ElemType::kBF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, qin.N1,
                                        qin.K, qin.group_k, qin.kind);
 }
 

@@ -141,11 +141,9 @@ Error GemmIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*
       call, x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
       gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
       block_m, *c, *q, *q_scale, &g));
-  InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), g.kind, g.s.R, g.s.I, act_group_k,
-                 q->untyped_data(), static_cast<float*>(q_scale->untyped_data())};
-  qin.act = static_cast<int>(activation);
-  qin.limit = limit;
-  qin.N1 = g.s.N1;
+  const InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), g.kind, g.s.R, g.s.N1, g.s.I,
+                       act_group_k, q->untyped_data(), static_cast<float*>(q_scale->untyped_data()),
+                       static_cast<int>(activation), limit};
   return launch_indexed(call, g.p, g.l, gather_div, block_m, stream, &qin);
 }
 

@@ -325,9 +325,8 @@ bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin)
   if (L.mode != RowMode::kIndexed || L.p.w.type != WeightType::kFp8E4M3 || pl.ak != ActKind::kFp8 ||
       pl.dq != Deq::kCodes)
     return false;
-  const int64_t cols = qin.act < 0 ? qin.K : qin.N1;
   if (qin.kind != ActQuant::kFp8E4M3 || qin.group_k != 128 || qin.K != D.K || D.K % 128 != 0 ||
-      (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16) || !aligned_to(qin.x, 16) || cols % 8 != 0)
+      (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16) || !aligned_to(qin.x, 16) || qin.N1 % 8 != 0)
     return false;
   // One activation, silu, the gated one of the fp8 models (their code is fetched on the path to the
   // first MMA: the kernel holds one; benchmarks/NOTES.md v11s).
@@ -373,7 +372,7 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
     pl.D.xq_f16 = qin->xt == ElemType::kF16 ? 1 : 0;
     pl.D.xq_act = qin->act;
     pl.D.xq_limit = qin->limit;
-    pl.D.xq_cols = qin->act < 0 ? qin->K : qin->N1;
+    pl.D.xq_cols = qin->N1;
     pl.D.act_region_bytes = xq_region_bytes(pl.D);
     pl.smem = decode_smem_bytes(pl.D);
   }

@@ -21,12 +21,11 @@ struct InputQuant {
   const void* x;
   ElemType xt;  // kBF16 or kF16
   ActQuant kind;
-  int64_t rows, K, group_k;
+  int64_t rows, N1, K, group_k;
   void* q;
   float* scale;
   int act = -1;
   float limit = 0.0f;
-  int64_t N1 = 0;  // x's columns (K when act < 0)
 };
 
 // Launches the quantization of qin (moe_contract.h's values, bit for bit as on the CPU).

@@ -48,13 +48,8 @@ Error ActivationCpu(AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float 
   ActivationShape s;
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
-  const ElemType t = elem_type_of(x.element_type());
-  const Activation act = static_cast<Activation>(activation);
-  parallel_for(s.R, s.N1 * 8, [&](int64_t r) {
-    std::vector<float> v(static_cast<size_t>(s.I));
-    activation_row(act, limit, t, x.untyped_data(), r, s.N1, s.I, v.data());
-    for (int64_t i = 0; i < s.I; ++i) store_elem(t, y->untyped_data(), r * s.I + i, v[i]);
-  });
+  activate_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), s.R, s.N1, s.I, static_cast<int>(activation),
+                    limit, y->untyped_data());
   return Error::Success();
 }
 
@@ -92,6 +87,14 @@ void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_
     else
       for (int64_t k = 0; k < K; ++k) v[k] = load_elem(xt, x, r * K + k);
     quantize_row(kind, v.data(), K, group_k, r, q, scale);
+  });
+}
+
+void activate_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_t K, int act, float limit, void* y) {
+  parallel_for(R, N1 * 8, [&](int64_t r) {
+    std::vector<float> v(static_cast<size_t>(K));
+    activation_row(static_cast<Activation>(act), limit, xt, x, r, N1, K, v.data());
+    for (int64_t i = 0; i < K; ++i) store_elem(xt, y, r * K + i, v[i]);
   });
 }
 }  // namespace hj

@@ -52,14 +52,6 @@ constexpr int kVec = 8;
 constexpr int kVecThreads = 256;
 
 template <ElemType XT>
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  if constexpr (XT == ElemType::kBF16)
-    return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
-  else
-    return static_cast<uint32_t>(float_to_f16(lo)) | (static_cast<uint32_t>(float_to_f16(hi)) << 16);
-}
-
-template <ElemType XT>
 __global__ void __launch_bounds__(kVecThreads)
     activation_vec_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ y, int act, float limit,
                           uint32_t total, int N1, int I) {
@@ -241,20 +233,17 @@ Error launch_quant(const std::string& call, cudaStream_t stream, const void* x, 
   return launch_status(call, "quant_kernel");
 }
 
-Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
-  const std::string call = "activation";
-  ActivationShape s;
-  HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
-  HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
-  if (s.R * s.I == 0) return Error::Success();
-  const int act = static_cast<int>(activation);
-  const bool f16 = elem_type_of(x.element_type()) == ElemType::kF16;
-  if (vec_ok(x.untyped_data(), y->untyped_data(), s.R, s.N1, s.I)) {
-    const uint32_t total = static_cast<uint32_t>(s.R * (s.I / kVec));
+// The activation of x [R, N1] into y [R, I] (16-bit rows of type xt).
+Error launch_activation(const std::string& call, cudaStream_t stream, const void* x, void* y, ElemType xt, int act,
+                        float limit, int64_t R, int64_t N1, int64_t I) {
+  if (R * I == 0) return Error::Success();
+  const bool f16 = xt == ElemType::kF16;
+  if (vec_ok(x, y, R, N1, I)) {
+    const uint32_t total = static_cast<uint32_t>(R * (I / kVec));
     const unsigned grid = grid_for(total, kVecThreads, 8192);
-    const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
-    auto* yp = static_cast<uint16_t*>(y->untyped_data());
-    const int n1 = static_cast<int>(s.N1), i = static_cast<int>(s.I);
+    const auto* xp = static_cast<const uint16_t*>(x);
+    auto* yp = static_cast<uint16_t*>(y);
+    const int n1 = static_cast<int>(N1), i = static_cast<int>(I);
     if (f16)
       activation_vec_kernel<ElemType::kF16><<<grid, kVecThreads, 0, stream>>>(xp, yp, act, limit, total, n1, i);
     else
@@ -262,14 +251,21 @@ Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int6
     return launch_status(call, "activation_vec_kernel");
   }
   const int threads = 256;
-  const unsigned grid = grid_for(s.R * s.I, threads, 8192);
+  const unsigned grid = grid_for(R * I, threads, 8192);
   if (f16)
-    activation_kernel<ElemType::kF16><<<grid, threads, 0, stream>>>(x.untyped_data(), y->untyped_data(), act, limit,
-                                                                    s.R, s.N1, s.I);
+    activation_kernel<ElemType::kF16><<<grid, threads, 0, stream>>>(x, y, act, limit, R, N1, I);
   else
-    activation_kernel<ElemType::kBF16><<<grid, threads, 0, stream>>>(x.untyped_data(), y->untyped_data(), act, limit,
-                                                                     s.R, s.N1, s.I);
+    activation_kernel<ElemType::kBF16><<<grid, threads, 0, stream>>>(x, y, act, limit, R, N1, I);
   return launch_status(call, "activation_kernel");
+}
+
+Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
+  const std::string call = "activation";
+  ActivationShape s;
+  HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
+  HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
+  return launch_activation(call, stream, x.untyped_data(), y->untyped_data(), elem_type_of(x.element_type()),
+                           static_cast<int>(activation), limit, s.R, s.N1, s.I);
 }
 
 Error ActivationQuantCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale,
@@ -299,6 +295,8 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
 }  // namespace
 
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
+  if (qin.kind == ActQuant::kNone)  // gemm_indexed_act: the activated 16-bit rows
+    return launch_activation(call, stream, qin.x, qin.q, qin.xt, qin.act, qin.limit, qin.rows, qin.N1, qin.K);
   if (qin.xt == ElemType::kF16)
     return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, qin.N1,
                                         qin.K, qin.group_k, qin.kind);

@@ -16,6 +16,7 @@ namespace {
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_ring_launches{0};  // of which the fp8 ring kernel
 std::atomic<uint64_t> g_quant_launches{0};  // of which the decode kernel quantizing its token rows
+std::atomic<uint64_t> g_act_launches{0};    // of which the decode kernel activating its token rows
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
@@ -341,6 +342,33 @@ bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin)
   return static_cast<int64_t>(kStages) * kWStageBytes + xq_region_bytes(D) <= kMaxDynamicSmem;
 }
 
+// Whether the decode kernel can activate qin's rows (gemm_indexed_act: kNone) as it loads them:
+// a raw or packed 16-bit variant of x's type (Kern::kActivates), silu or swigluoai (the kernel
+// holds those two), 16-byte aligned rows of K % 8 == 0 columns, every item's rows held whole, few
+// enough loads per item (one pass covers kThreads 8-column units; kMaxQuantPasses, as the
+// quantizing load above), and at most kMaxActWaves waves of CTAs: every CTA of an item activates
+// its rows again before its first MMA, which pays where the launch is one or two waves (qwen3
+// int4 M = 1: layer 1.07x) and cost 5-7% at ten (qwen3 int4 / mxfp4 M = 16; benchmarks/NOTES.md
+// v11t).
+constexpr int64_t kMaxActWaves = 2;
+
+bool activates_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin, int sms) {
+  const DecodeLaunch& D = pl.D;
+  if (L.mode != RowMode::kIndexed || qin.kind != ActQuant::kNone) return false;
+  if (pl.dq != Deq::kRaw && pl.dq != Deq::kPackedU4 && pl.dq != Deq::kPackedFp4) return false;
+  const ActKind want = qin.xt == ElemType::kF16 ? ActKind::kF16 : ActKind::kBF16;
+  if (pl.ak != want || (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16)) return false;
+  if (qin.act != static_cast<int>(Activation::kSilu) && qin.act != static_cast<int>(Activation::kSwigluOai))
+    return false;
+  if (qin.K != D.K || D.K % 8 != 0 || qin.N1 % 8 != 0 || !aligned_to(qin.x, 16)) return false;
+  if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
+  const int64_t rows = (L.c_rows + D.est_items - 1) / std::max(1, D.est_items);
+  if (rows * (D.K / 8) > int64_t{kMaxQuantPasses} * kThreads) return false;
+  const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(pl.smem) + kSmemReservedPerCta));
+  const int64_t ctas = int64_t{D.est_items} * pl.grid.x;
+  return ctas <= kMaxActWaves * std::max<int64_t>(1, per_sm) * sms;
+}
+
 }  // namespace
 
 Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched,
@@ -366,15 +394,21 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   // gemm_indexed_quant: the decode kernel quantizes the token rows itself where it takes the call
   // and every item holds its rows whole; elsewhere (the ring among them) the quantization kernel
   // runs first.
-  const bool fuse = !ring && qin && env_flag("HUMMING_JAX_DECODE_QUANT", true) && quantizes_whole(L, pl, *qin);
+  // gemm_indexed_act (kNone): likewise the activation, in the 16-bit variants.
+  const bool act_only = qin && qin->kind == ActQuant::kNone;
+  const bool fuse = !ring && qin &&
+                    (act_only ? env_flag("HUMMING_JAX_DECODE_ACT", true) && activates_whole(L, pl, *qin, sms)
+                              : env_flag("HUMMING_JAX_DECODE_QUANT", true) && quantizes_whole(L, pl, *qin));
   if (fuse) {
     pl.D.xq = qin->x;
     pl.D.xq_f16 = qin->xt == ElemType::kF16 ? 1 : 0;
     pl.D.xq_act = qin->act;
     pl.D.xq_limit = qin->limit;
     pl.D.xq_cols = qin->N1;
-    pl.D.act_region_bytes = xq_region_bytes(pl.D);
-    pl.smem = decode_smem_bytes(pl.D);
+    if (!act_only) {  // the quantized rows' scales beside them
+      pl.D.act_region_bytes = xq_region_bytes(pl.D);
+      pl.smem = decode_smem_bytes(pl.D);
+    }
   }
   if (qin && !fuse) HJ_RETURN_IF_ERROR(launch_quantize(call, stream, *qin));
   const int ring_rows = ring ? launch_fp8_ring(D, sms, stream) : 0;
@@ -396,7 +430,7 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   *launched = true;
   g_launches.fetch_add(1, std::memory_order_relaxed);
   if (on_ring) g_ring_launches.fetch_add(1, std::memory_order_relaxed);
-  if (fuse) g_quant_launches.fetch_add(1, std::memory_order_relaxed);
+  if (fuse) (act_only ? g_act_launches : g_quant_launches).fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
   if (log && on_ring)
     std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (units of %d rows, items=%d rows<=%d)\n",
@@ -404,9 +438,10 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   else if (log)
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s, wk=%d bn=%d grid=%ux%u "
-                 "items=%d rows<=%d whole<=%d smem=%zu)\n",
+                 "items=%d rows<=%d whole<=%d smem=%zu%s)\n",
                  mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wk, D.bn, pl.grid.x,
-                 pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem);
+                 pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem,
+                 fuse ? (act_only ? ", activates its rows" : ", quantizes its rows") : "");
   return launch_status(call, on_ring ? "fp8_ring_kernel" : "decode_kernel");
 }
 
@@ -427,4 +462,10 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeRingLaunches(
 // (gemm_indexed_quant).
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeQuantLaunches() {
   return hj::decode::g_quant_launches.load(std::memory_order_relaxed);
+}
+
+// Of those, decode kernel launches that activated their 16-bit token rows themselves
+// (gemm_indexed_act).
+extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeActLaunches() {
+  return hj::decode::g_act_launches.load(std::memory_order_relaxed);
 }

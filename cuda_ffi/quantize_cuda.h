@@ -17,6 +17,7 @@ namespace hj {
 // 16-bit rows x [rows, N1], each activated (act: an Activation code; -1: none, N1 = K) into K
 // columns and quantized into q [rows, K] (fp8 e4m3 or int8 codes) and scale [rows, groups] (scale =
 // absmax / qmax per group of group_k columns, 0: per row): the quantize or activation_quant call.
+// kind kNone (gemm_indexed_act): only activated, rounded to x's type into q [rows, K]; no scale.
 struct InputQuant {
   const void* x;
   ElemType xt;  // kBF16 or kF16
@@ -28,7 +29,8 @@ struct InputQuant {
   float limit = 0.0f;
 };
 
-// Launches the quantization of qin (moe_contract.h's values, bit for bit as on the CPU).
+// Launches the quantization (kNone: the activation) of qin (moe_contract.h's values, bit for bit as
+// on the CPU).
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin);
 
 #if defined(__CUDACC__)
@@ -52,6 +54,15 @@ __device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
     v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
     v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
   }
+}
+
+// Two float32 values rounded to XT (kBF16 or kF16), packed low | high << 16.
+template <ElemType XT>
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  if constexpr (XT == ElemType::kBF16)
+    return static_cast<uint32_t>(float_to_bf16(lo)) | (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+  else
+    return static_cast<uint32_t>(float_to_f16(lo)) | (static_cast<uint32_t>(float_to_f16(hi)) << 16);
 }
 
 // Output columns i0 .. i0 + 7 of the row starting at xr (N1 columns): activated, in float32.

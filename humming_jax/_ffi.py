@@ -26,6 +26,7 @@ CALLS = (
     "permute_rows",
     "gemm_indexed",
     "gemm_indexed_quant",
+    "gemm_indexed_act",
     "gemm_grouped",
     "gemm_batched",
     "gemm_batched_into",

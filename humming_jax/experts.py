@@ -236,6 +236,14 @@ def fused_input_quant() -> bool:
     return os.environ.get("HUMMING_JAX_FUSED_INPUT_QUANT", "1") != "0"
 
 
+def fused_activation() -> bool:
+    """Whether the indexed class with 16-bit activations applies the activation in GEMM2's call
+    (``gemm_indexed_act``; the default) rather than in a call of its own. Read at trace time from
+    ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``: the separate calls, for A/B timing); the values are
+    the same either way."""
+    return os.environ.get("HUMMING_JAX_FUSED_ACTIVATION", "1") != "0"
+
+
 class IndexedExperts(_StandardExperts):
     """Standard format, indexed: GEMM1 gathers token rows through expert-sorted ids."""
 
@@ -262,6 +270,12 @@ class IndexedExperts(_StandardExperts):
             a, a_scale = act_ops.quantize(x, quant[0], quant[1])
             agk = quant[1]
         gu = gemm_ops.gemm_indexed(a, a_scale, weights.w13, weights.b13, routing, gather_div=k, act_group_k=agk, **common)
+        if quant is None and fused_activation():
+            # GEMM2 applies the activation to GEMM1's rows in its call.
+            d = gemm_ops.gemm_indexed_act(
+                gu, weights.w2, weights.b2, routing, gather_div=1, activation=activation, limit=limit, **common
+            )
+            return d, routing.src_rows
         a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)
         d = gemm_ops.gemm_indexed(a2, a2_scale, weights.w2, weights.b2, routing, gather_div=1, act_group_k=agk2, **common)
         return d, routing.src_rows

@@ -171,3 +171,40 @@ def indexed_quant_forms(
         return dict(fused=fused, two=two, src=r.src_rows)
 
     return fn, (x, ids, w, bias)
+
+
+def indexed_act_forms(
+    rng: np.random.Generator,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    dtype: Any,
+    ids: jax.Array,
+    activation: str,
+    limit: float | None = None,
+) -> tuple[Callable[..., dict], tuple]:
+    """One random GEMM2 of the indexed class both ways: ``gemm_indexed_act`` (the activation inside
+    the GEMM's call) and ``activation`` + ``gemm_indexed``, one row per id, twice the weights'
+    columns for a gated activation. Rows span three decades of magnitude, with signed zeros and a
+    row of zeros. Returns (fn, operands); fn(x, ids, w, bias) gives a dict: fused, two, src."""
+    e, kdim = w.num_experts, w.k
+    m, k = ids.shape
+    spec, _ = get_activation(activation, limit)
+    rows, cols = m * k, 2 * kdim if spec.gated else kdim
+    xf = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-1.5, 1.5, (rows, 1))
+    xf[rng.random((rows, cols)) < 0.03] = 0.0
+    xf[rng.random((rows, cols)) < 0.03] = -0.0
+    if rows > 1:
+        xf[rows // 2] = 0.0
+    x = jnp.asarray(xf, dtype)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, w, bias):
+        r = routing_ops.routing_indexed(ids, None, e, bm)
+        common = dict(rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype)
+        fused = gemm_ops.gemm_indexed_act(x, w, bias, r, activation=activation, limit=limit, **common)
+        a = act_ops.activation(x, activation, limit)
+        two = gemm_ops.gemm_indexed(a, None, w, bias, r, **common)
+        return dict(fused=fused, two=two, src=r.src_rows)
+
+    return fn, (x, ids, w, bias)
+

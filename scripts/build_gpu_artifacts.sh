@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_PY=${1:-${HUMMING_JAX_GPU_PYTHON:-/root/.pyenv/versions/3.12.1/bin/python3.12}}
 XLA_INC=$(python3 -c "from jax import ffi; print(ffi.include_dir())")
-JOBS=$(nproc)
+JOBS=${JOBS:-$(nproc)}
 
 # The cache keeps options between runs: say OFF explicitly when fast paths are not wanted.
 FAST=(-DHUMMING_JAX_FAST_PATHS=OFF)

@@ -119,6 +119,44 @@ def gemm_indexed_quant(
     return c
 
 
+def gemm_indexed_act(
+    x: jax.Array,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    routing: IndexedRouting,
+    *,
+    rows: int,
+    gather_div: int,
+    block_m: int,
+    out_dtype: Any,
+    activation: str,
+    limit: float | None = None,
+) -> jax.Array:
+    """``gemm_indexed`` of ``activation(x, activation, limit)`` (16-bit activations) in one call:
+    the same values as the two calls, bit for bit. On the GPU the decode kernel activates the rows
+    (silu or swigluoai) as it loads them where every work item holds its rows whole; elsewhere the
+    call runs the activation kernel first."""
+    spec, lim = get_activation(activation, limit)
+    if spec.gated and x.shape[1] % 2:
+        raise ValueError(f"a gated activation needs an even number of columns, got {x.shape[1]}")
+    cols = x.shape[1] // 2 if spec.gated else x.shape[1]
+    ops, attrs = _operands(x, None, w, bias, 0)
+    c, _ = _ffi.call(
+        "gemm_indexed_act",
+        (jax.ShapeDtypeStruct((rows, w.n), out_dtype), jax.ShapeDtypeStruct((x.shape[0], cols), x.dtype)),
+        *ops,
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **attrs,
+        gather_div=gather_div,
+        block_m=block_m,
+        activation=int(spec.code),
+        limit=lim,
+    )
+    return c
+
+
 # The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at
 # most 256 SMs, then per-expert shapes, pointers and strides) is bounded by
 #     GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * E   bytes,

@@ -1,0 +1,97 @@
+"""gemm_indexed_act: GEMM2 of the indexed class with 16-bit activations, the activation applied
+inside the GEMM's call, gives the bits of the separate activation + gemm_indexed calls, on whichever
+backend runs the tests (the GPU decode kernel's fused load has its own tests in
+test_cuda_fast_paths.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_layer, run_standard
+
+from humming_jax import testing
+from humming_jax.experts import IndexedExperts
+from humming_jax.ops import gemm as gemm_ops
+from humming_jax.ops import routing as routing_ops
+from humming_jax.quantize import SCHEMES
+
+
+def _ids(rng, m, k, e, pad=0.15):
+    ids = np.argsort(rng.random((m, e)), axis=1)[:, :k]
+    return jnp.asarray(np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4", "w8a16-fp8-block128"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu", None),
+                                              ("gelu_no_mul", None)])
+def test_fused_activation_equals_two_calls(rng, scheme, dtype, activation, limit):
+    if scheme == "w4a16-mxfp4" and dtype == jnp.float16:
+        dtype = jnp.bfloat16
+    if scheme == "bf16":
+        scheme = "bf16" if dtype == jnp.bfloat16 else "fp16"
+    e, n, kdim, m, k = 6, 40, 256, 9, 3
+    if scheme not in SCHEMES:
+        pytest.skip(f"no scheme {scheme}")
+    w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    fn, ops = testing.indexed_act_forms(rng, w, bias, dtype, _ids(rng, m, k, e), activation, limit)
+    got = jax.jit(fn)(*ops)
+    valid = np.asarray(got["src"]).reshape(-1) >= 0
+    fused = np.asarray(got["fused"].astype(jnp.float32))[valid]
+    two = np.asarray(got["two"].astype(jnp.float32))[valid]
+    assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
+    np.testing.assert_array_equal(fused, two)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "bf16"])
+def test_indexed_layer_same_bits_with_or_without_the_fused_activation(rng, monkeypatch, scheme):
+    layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, scheme=scheme, pad_frac=0.2)
+    fused = run_standard(IndexedExperts, layer)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
+    two = run_standard(IndexedExperts, layer)
+    a, b = np.asarray(fused.astype(jnp.float32)), np.asarray(two.astype(jnp.float32))
+    assert np.all(np.isfinite(a)) and np.any(a != 0.0)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_indexed_layer_calls_the_fused_activation(rng, monkeypatch):
+    """The layer's graph: GEMM2 takes the activation (no activation call) unless switched off."""
+    layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w4a16-int4-g128")
+
+    def calls() -> set[str]:
+        def f(out, x, w, tw, ids):  # a new function: traced again, reading the switch
+            return IndexedExperts().apply(out, x, w, tw, ids)
+
+        args = (layer.x, layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
+        return set(re.findall(r"humming_jax\.\w+", jax.jit(f).lower(*args).as_text()))
+
+    assert {"humming_jax.gemm_indexed_act", "humming_jax.gemm_indexed"} <= calls()
+    assert "humming_jax.activation" not in calls()
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
+    assert "humming_jax.gemm_indexed_act" not in calls() and "humming_jax.activation" in calls()
+
+
+def test_fused_activation_rejects_bad_input(rng):
+    e, n, kdim, m, k = 4, 16, 128, 3, 2
+    w = SCHEMES["w4a16-int4-g128"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.bfloat16)
+    r = routing_ops.routing_indexed(_ids(rng, m, k, e, pad=0.0), None, e, 4)
+    common = dict(rows=m * k, gather_div=1, block_m=4, out_dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m * k, 2 * kdim)), jnp.bfloat16)
+    with pytest.raises(Exception, match="x must be"):
+        jax.block_until_ready(gemm_ops.gemm_indexed_act(x.astype(jnp.float32), w, None, r, activation="silu", **common))
+    with pytest.raises(ValueError, match="unknown activation"):
+        gemm_ops.gemm_indexed_act(x, w, None, r, activation="tanh", **common)
+    with pytest.raises(ValueError, match="even number of columns"):
+        gemm_ops.gemm_indexed_act(x[:, :-1], w, None, r, activation="silu", **common)
+    # x's columns must be twice the weights' K for a gated activation
+    with pytest.raises(Exception, match="K"):
+        jax.block_until_ready(gemm_ops.gemm_indexed_act(x[:, :kdim], w, None, r, activation="silu", **common))
+    # the rows' dtype is the GEMM's activation type: 16-bit weights of another dtype are refused
+    wf = SCHEMES["fp16"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.float16)
+    with pytest.raises(Exception, match="16-bit weights must have the activations' dtype"):
+        jax.block_until_ready(gemm_ops.gemm_indexed_act(x, wf, None, r, activation="silu", **common))

@@ -344,12 +344,13 @@ bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin)
 
 // Whether the decode kernel can activate qin's rows (gemm_indexed_act: kNone) as it loads them:
 // a raw or packed 16-bit variant of x's type (Kern::kActivates), silu or swigluoai (the kernel
-// holds those two), 16-byte aligned rows of K % 8 == 0 columns, every item's rows held whole, few
-// enough loads per item (one pass covers kThreads 8-column units; kMaxQuantPasses, as the
-// quantizing load above), and at most kMaxActWaves waves of CTAs: every CTA of an item activates
-// its rows again before its first MMA, which pays where the launch is one or two waves (qwen3
-// int4 M = 1: layer 1.07x) and cost 5-7% at ten (qwen3 int4 / mxfp4 M = 16; benchmarks/NOTES.md
-// v11t).
+// holds those two), 16-byte aligned rows of K % 8 == 0 columns, every item's rows held whole, and
+// little activation work per CTA: every CTA of an item activates the item's rows again (one per N
+// slice), before its first MMA. So at most kMaxActUnits 8-column units in an item's expected rows
+// and at most kMaxActWaves waves of CTAs. Measured (benchmarks/NOTES.md v11t, layer, in one
+// process): qwen3 int4 M = 1 / 2 1.04-1.07x / 1.02-1.05x (768 columns per row), deepseek M = 1 even
+// (2048), while gpt-oss M = 1-2 (2880 columns) lost 3-7% and qwen3 M = 16 (ten waves) 5-7%.
+constexpr int64_t kMaxActUnits = kThreads;
 constexpr int64_t kMaxActWaves = 2;
 
 bool activates_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin, int sms) {
@@ -363,7 +364,7 @@ bool activates_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin,
   if (qin.K != D.K || D.K % 8 != 0 || qin.N1 % 8 != 0 || !aligned_to(qin.x, 16)) return false;
   if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
   const int64_t rows = (L.c_rows + D.est_items - 1) / std::max(1, D.est_items);
-  if (rows * (D.K / 8) > int64_t{kMaxQuantPasses} * kThreads) return false;
+  if (rows * (D.K / 8) > kMaxActUnits) return false;
   const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(pl.smem) + kSmemReservedPerCta));
   const int64_t ctas = int64_t{D.est_items} * pl.grid.x;
   return ctas <= kMaxActWaves * std::max<int64_t>(1, per_sm) * sms;

@@ -721,6 +721,17 @@ inline Error check_quantize_input(const std::string& call, const AnyBuffer& x, i
   return Error::Success();
 }
 
+// gemm_indexed: the GEMM of a over the routing's layout (the CPU and CUDA handlers' one parse).
+inline Error parse_gemm_indexed(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
+                                const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
+                                const AnyBuffer& scale2, const AnyBuffer& bias, const AnyBuffer& sorted_ids,
+                                const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp, const GemmAttrs& at,
+                                int64_t gather_div, int64_t block_m, const AnyBuffer& c, GemmProblem* p,
+                                IndexedLayout* l) {
+  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias, at, c, p));
+  return check_indexed_layout(call, a, c, sorted_ids, block_expert_ids, ntpp, gather_div, block_m, l);
+}
+
 // gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized
 // into q / q_scale [M, K] (act_group_k: the group, 0 per row), then the indexed GEMM of those
 // codes over the routing's layout. gemm_indexed_act: x activated into the 16-bit rows y [M, K]

@@ -70,13 +70,11 @@ Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
                      int64_t act_group_k, int64_t gather_div, int64_t block_m) {
   const std::string call = "gemm_indexed";
   GemmProblem p;
-  HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias,
-                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias,
-                                           act_group_k),
-                                *c, &p));
   IndexedLayout l;
-  HJ_RETURN_IF_ERROR(check_indexed_layout(call, a, *c, sorted_ids, block_expert_ids, ntpp, gather_div,
-                                          block_m, &l));
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed(
+      call, a, a_scale, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
+      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), gather_div, block_m,
+      *c, &p, &l));
   gemm_indexed_runs(p, l);
   return Error::Success();
 }

@@ -122,6 +122,22 @@ def gemm_forms(
     return fn, (x, a2, xb, ids, emap, counts, w, bias, out)
 
 
+def _token_rows(
+    rng: np.random.Generator, rows: int, cols: int, decades: float, dtype: Any, tiny: float = 0.0
+) -> jax.Array:
+    """Random rows [rows, cols] of dtype whose magnitudes span +-decades decades row to row, with
+    3% zeros, 3% negative zeros, a fraction ``tiny`` scaled by 1e-25, and (more than one row) a
+    row of zeros."""
+    xf = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-decades, decades, (rows, 1))
+    xf[rng.random((rows, cols)) < 0.03] = 0.0
+    xf[rng.random((rows, cols)) < 0.03] = -0.0
+    if tiny:
+        xf[rng.random((rows, cols)) < tiny] *= 1e-25
+    if rows > 1:
+        xf[rows // 2] = 0.0
+    return jnp.asarray(xf, dtype)
+
+
 def indexed_quant_forms(
     rng: np.random.Generator,
     w: PackedWeight,
@@ -144,17 +160,9 @@ def indexed_quant_forms(
     if activation is not None:  # a gated product squares the magnitudes: half the decades (float16)
         spec, _ = get_activation(activation, limit)
         rows, gather_div, cols, decades = m * k, 1, 2 * kdim if spec.gated else kdim, 1.5
-    mags = 10.0 ** rng.uniform(-decades, decades, (rows, 1))
-    xf = rng.standard_normal((rows, cols)) * mags
-    # Values a division by the scale treats apart: signed zeros, values far below their group's
-    # maximum (bf16 keeps them: ~1e-25 of it), and with more than one row a row of zeros.
-    xf[rng.random((rows, cols)) < 0.03] = 0.0
-    xf[rng.random((rows, cols)) < 0.03] = -0.0
-    tiny = rng.random((rows, cols)) < 0.02
-    xf[tiny] *= 1e-25
-    if rows > 1:
-        xf[rows // 2] = 0.0
-    x = jnp.asarray(xf, dtype)
+    # Values a division by the scale treats apart: values far below their group's maximum (bf16
+    # keeps them: ~1e-25 of it), beside _token_rows' signed zeros and row of zeros.
+    x = _token_rows(rng, rows, cols, decades, dtype, tiny=0.02)
     bm = indexed_block_m(m * k, e)
 
     def fn(x, ids, w, bias):
@@ -190,12 +198,7 @@ def indexed_act_forms(
     m, k = ids.shape
     spec, _ = get_activation(activation, limit)
     rows, cols = m * k, 2 * kdim if spec.gated else kdim
-    xf = rng.standard_normal((rows, cols)) * 10.0 ** rng.uniform(-1.5, 1.5, (rows, 1))
-    xf[rng.random((rows, cols)) < 0.03] = 0.0
-    xf[rng.random((rows, cols)) < 0.03] = -0.0
-    if rows > 1:
-        xf[rows // 2] = 0.0
-    x = jnp.asarray(xf, dtype)
+    x = _token_rows(rng, rows, cols, 1.5, dtype)
     bm = indexed_block_m(m * k, e)
 
     def fn(x, ids, w, bias):
@@ -207,4 +210,20 @@ def indexed_act_forms(
         return dict(fused=fused, two=two, src=r.src_rows)
 
     return fn, (x, ids, w, bias)
+
+
+def distinct_topk_ids(rng: np.random.Generator, m: int, k: int, e: int, pad: float = 0.15) -> jax.Array:
+    """topk ids [m, k]: k distinct experts of e per token, a fraction ``pad`` of them -1."""
+    ids = np.argsort(rng.random((m, e)), axis=1)[:, :k]
+    return jnp.asarray(np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32))
+
+
+def assert_fused_equals_two(got: dict) -> None:
+    """indexed_quant_forms' / indexed_act_forms' results: the rows the routing fills are finite, not
+    all zero, and the same bits both ways."""
+    valid = np.asarray(got["src"]).reshape(-1) >= 0
+    fused = np.asarray(jnp.asarray(got["fused"]).astype(jnp.float32))[valid]
+    two = np.asarray(jnp.asarray(got["two"]).astype(jnp.float32))[valid]
+    assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
+    np.testing.assert_array_equal(fused, two)
 

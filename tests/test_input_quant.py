@@ -18,11 +18,6 @@ from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 
 
-def _ids(rng, m, k, e, pad=0.15):
-    ids = np.argsort(rng.random((m, e)), axis=1)[:, :k]
-    return jnp.asarray(np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32))
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize(
     "scheme,quant",
@@ -36,13 +31,9 @@ def test_fused_input_quant_equals_two_calls(rng, scheme, quant, dtype, activatio
     w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     quant = quant or act_quant_params(SCHEMES[scheme].act_key)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    fn, ops = testing.indexed_quant_forms(rng, w, bias, dtype, quant, _ids(rng, m, k, e), activation, limit)
-    got = jax.jit(fn)(*ops)
-    valid = np.asarray(got["src"]).reshape(-1) >= 0
-    fused = np.asarray(got["fused"].astype(jnp.float32))[valid]
-    two = np.asarray(got["two"].astype(jnp.float32))[valid]
-    assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
-    np.testing.assert_array_equal(fused, two)
+    ids = testing.distinct_topk_ids(rng, m, k, e)
+    fn, ops = testing.indexed_quant_forms(rng, w, bias, dtype, quant, ids, activation, limit)
+    testing.assert_fused_equals_two(jax.jit(fn)(*ops))
 
 
 def test_indexed_layer_same_bits_with_or_without_the_fused_call(rng, monkeypatch):
@@ -58,7 +49,7 @@ def test_indexed_layer_same_bits_with_or_without_the_fused_call(rng, monkeypatch
 def test_fused_input_quant_rejects_bad_input(rng):
     e, n, kdim, m, k = 4, 16, 128, 3, 2
     w = SCHEMES["w8a8-fp8-block128"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.bfloat16)
-    r = routing_ops.routing_indexed(_ids(rng, m, k, e, pad=0.0), None, e, 4)
+    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, m, k, e, pad=0.0), None, e, 4)
     common = dict(rows=m * k, gather_div=k, block_m=4, out_dtype=jnp.bfloat16)
     x32 = jnp.asarray(rng.standard_normal((m, kdim)), jnp.float32)
     with pytest.raises(Exception, match="x must be"):

@@ -45,6 +45,42 @@ def _operands(
     return ops, attrs
 
 
+def _call_indexed(
+    name: str,
+    results: Any,
+    a: jax.Array,
+    a_scale: jax.Array | None,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    routing: IndexedRouting,
+    act_group_k: int,
+    **extra: Any,
+) -> Any:
+    """One of the indexed GEMM calls: the operands, then the routing's three arrays."""
+    ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    return _ffi.call(
+        name,
+        results,
+        *ops,
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **attrs,
+        **extra,
+    )
+
+
+def _activated_columns(x: jax.Array, activation: str | None, limit: float | None) -> tuple[int, float, int]:
+    """(activation code, limit, columns of the result) of x's rows under ``activation`` (None: -1,
+    0.0 and x's own columns); a gated activation halves an even number of columns."""
+    if activation is None:
+        return -1, 0.0, x.shape[1]
+    spec, lim = get_activation(activation, limit)
+    if spec.gated and x.shape[1] % 2:
+        raise ValueError(f"a gated activation needs an even number of columns, got {x.shape[1]}")
+    return int(spec.code), lim, x.shape[1] // 2 if spec.gated else x.shape[1]
+
+
 def gemm_indexed(
     a: jax.Array,
     a_scale: jax.Array | None,
@@ -59,15 +95,15 @@ def gemm_indexed(
     act_group_k: int = 0,
 ) -> jax.Array:
     """c[id] = a[id // gather_div] w[e]^T for every sorted id of every block of expert e: [rows, N]."""
-    ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
-    return _ffi.call(
+    return _call_indexed(
         "gemm_indexed",
         jax.ShapeDtypeStruct((rows, w.n), out_dtype),
-        *ops,
-        routing.sorted_ids,
-        routing.block_expert_ids,
-        routing.num_tokens_post_padded,
-        **attrs,
+        a,
+        a_scale,
+        w,
+        bias,
+        routing,
+        act_group_k,
         gather_div=gather_div,
         block_m=block_m,
     )
@@ -95,22 +131,16 @@ def gemm_indexed_quant(
     elsewhere the call runs the quantization (or activation + quantization) kernel first."""
     from .activation import _quant_shapes  # the quantize call's result shapes and checks
 
-    act_code, lim, cols = -1, 0.0, x.shape[1]
-    if activation is not None:
-        spec, lim = get_activation(activation, limit)
-        act_code = int(spec.code)
-        if spec.gated and x.shape[1] % 2:
-            raise ValueError(f"a gated activation needs an even number of columns, got {x.shape[1]}")
-        cols = x.shape[1] // 2 if spec.gated else x.shape[1]
-    ops, attrs = _operands(x, None, w, bias, act_group_k)
-    c, _, _ = _ffi.call(
+    act_code, lim, cols = _activated_columns(x, activation, limit)
+    c, _, _ = _call_indexed(
         "gemm_indexed_quant",
         (jax.ShapeDtypeStruct((rows, w.n), out_dtype), *_quant_shapes(x.shape[0], cols, quant, act_group_k)),
-        *ops,
-        routing.sorted_ids,
-        routing.block_expert_ids,
-        routing.num_tokens_post_padded,
-        **attrs,
+        x,
+        None,
+        w,
+        bias,
+        routing,
+        act_group_k,
         gather_div=gather_div,
         block_m=block_m,
         activation=act_code,
@@ -134,24 +164,22 @@ def gemm_indexed_act(
 ) -> jax.Array:
     """``gemm_indexed`` of ``activation(x, activation, limit)`` (16-bit activations) in one call:
     the same values as the two calls, bit for bit. On the GPU the decode kernel activates the rows
-    (silu or swigluoai) as it loads them where every work item holds its rows whole; elsewhere the
-    call runs the activation kernel first."""
-    spec, lim = get_activation(activation, limit)
-    if spec.gated and x.shape[1] % 2:
-        raise ValueError(f"a gated activation needs an even number of columns, got {x.shape[1]}")
-    cols = x.shape[1] // 2 if spec.gated else x.shape[1]
-    ops, attrs = _operands(x, None, w, bias, 0)
-    c, _ = _ffi.call(
+    (silu or swigluoai) as it loads them where every work item holds its rows whole and the
+    launch is small (benchmarks/NOTES.md v11t); elsewhere the call runs the activation kernel
+    first."""
+    act_code, lim, cols = _activated_columns(x, activation, limit)
+    c, _ = _call_indexed(
         "gemm_indexed_act",
         (jax.ShapeDtypeStruct((rows, w.n), out_dtype), jax.ShapeDtypeStruct((x.shape[0], cols), x.dtype)),
-        *ops,
-        routing.sorted_ids,
-        routing.block_expert_ids,
-        routing.num_tokens_post_padded,
-        **attrs,
+        x,
+        None,
+        w,
+        bias,
+        routing,
+        0,
         gather_div=gather_div,
         block_m=block_m,
-        activation=int(spec.code),
+        activation=act_code,
         limit=lim,
     )
     return c

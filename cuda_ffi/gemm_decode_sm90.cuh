@@ -62,7 +62,6 @@ constexpr int kWarpStageBytes = kLaneBytes * 32;        // 2 KB
 constexpr int kWStageBytes = kWarpStageBytes * kWarps;  // 16 KB of weights per CTA stage
 constexpr int kRowsPerWarp = kNT * 16;                  // weight rows per warp
 constexpr int kChunkRowBytes = 64;                      // bytes of a row one warp reads per stage
-constexpr int kActUnitsPerThread = 2;                   // 8-column units a thread activates per pass
 constexpr int kStaticSmemReserve = 768;                // bound on decode_kernel's static shared memory
 // The sm_90 opt-in limit per block (227 KB) covers static and dynamic shared memory together.
 constexpr int kMaxDynamicSmem = 227 * 1024 - kStaticSmemReserve;
@@ -543,49 +542,32 @@ struct Kern {
   // Whole mode with 16-bit rows to activate (DecodeLaunch::xq on a 16-bit variant): the item's rows
   // of xq, activated (silu or swigluoai: the two the host lets through) and rounded to the
   // activation type as the activation kernel writes them, into the whole-K rows (zeros past K),
-  // by the whole CTA: 8-column units, two per thread and pass with both units' loads issued before
-  // either is used (one memory latency per pass; an item's expected rows take one, as the host
-  // allows at most kThreads units for them). Not inlined: one copy per variant, off the main
-  // loop's register allocation.
+  // by the whole CTA, one 8-column unit per thread and pass (the host allows one pass for an
+  // item's expected rows). Not inlined: one copy per variant. Its registers are the caller's to
+  // keep free around the call: two units per thread and pass (their loads issued together) made
+  // the packed variants spill 12-80 bytes (benchmarks/NOTES.md v11t).
   static __device__ __noinline__ void activate_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
                                                                  const int32_t* s_arow, int tid) {
     constexpr ElemType XT = kF16 ? ElemType::kF16 : ElemType::kBF16;
-    constexpr int kU = kActUnitsPerThread;
-    const int units_per_row = D.nc * kKw / 8, total = nvalid * units_per_row;
+    const int units_per_row = D.nc * kKw / 8;
     uint8_t* abase = smem + kStages * kWStageBytes;
     const uint16_t* x = static_cast<const uint16_t*>(D.xq);
-    const Activation act = D.xq_act == static_cast<int>(Activation::kSwigluOai) ? Activation::kSwigluOai
-                                                                                 : Activation::kSilu;
-    for (int base = 0; base < total; base += kU * kThreads) {
-      uint4 ra[kU], rb[kU];
-      int at[kU], i0[kU];  // the unit's shared-memory offset (-1: none) and first column
+    const bool oai = D.xq_act == static_cast<int>(Activation::kSwigluOai);
+    for (int u = tid; u < nvalid * units_per_row; u += kThreads) {
+      const int r = static_cast<int>(D.div_upr.div(static_cast<uint32_t>(u))), cu = u - r * units_per_row;
+      const int i0 = cu * 8;
+      uint32_t o[4] = {0u, 0u, 0u, 0u};
+      if (i0 < D.K) {
+        const uint16_t* xr = x + static_cast<int64_t>(s_arow[r]) * D.xq_cols;
+        float v[8];
+        if (oai)
+          act8<XT>(static_cast<int>(Activation::kSwigluOai), D.xq_limit, xr, D.K, i0, v);
+        else
+          act8<XT>(static_cast<int>(Activation::kSilu), D.xq_limit, xr, D.K, i0, v);
 #pragma unroll
-      for (int j = 0; j < kU; ++j) {
-        const int u = base + j * kThreads + tid;
-        at[j] = -1;
-        i0[j] = D.K;
-        if (u < total) {
-          const int r = static_cast<int>(D.div_upr.div(static_cast<uint32_t>(u))), cu = u - r * units_per_row;
-          at[j] = r * D.whole_row_bytes + cu * 16;
-          i0[j] = cu * 8;
-          if (i0[j] < D.K) gated_loads(act, x + static_cast<int64_t>(s_arow[r]) * D.xq_cols, D.K, i0[j], ra[j], rb[j]);
-        }
+        for (int q = 0; q < 4; ++q) o[q] = pack_half2<XT>(v[2 * q], v[2 * q + 1]);
       }
-#pragma unroll
-      for (int j = 0; j < kU; ++j) {
-        if (at[j] < 0) continue;
-        uint32_t o[4] = {0u, 0u, 0u, 0u};
-        if (i0[j] < D.K) {
-          float v[8];
-          if (act == Activation::kSwigluOai)
-            gated8<XT>(Activation::kSwigluOai, D.xq_limit, ra[j], rb[j], v);
-          else
-            gated8<XT>(Activation::kSilu, D.xq_limit, ra[j], rb[j], v);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) o[q] = pack_half2<XT>(v[2 * q], v[2 * q + 1]);
-        }
-        sts128(smem_addr(abase + at[j]), o[0], o[1], o[2], o[3]);
-      }
+      sts128(smem_addr(abase + r * D.whole_row_bytes + cu * 16), o[0], o[1], o[2], o[3]);
     }
   }
 

@@ -757,9 +757,9 @@ inline Error parse_gemm_indexed_quant(const std::string& call, const AnyBuffer& 
     s.I = s.N1;
   }
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, s.R, s.I, at.act_group_k, &out->kind));
-  HJ_RETURN_IF_ERROR(parse_gemm(call, q, q_scale, qweight, scale, zero, scale2, bias, at, c, &out->p));
-  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)}));
-  return check_indexed_layout(call, x, c, sorted_ids, block_expert_ids, ntpp, gather_div, block_m, &out->l);
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, q, q_scale, qweight, scale, zero, scale2, bias, sorted_ids,
+                                        block_expert_ids, ntpp, at, gather_div, block_m, c, &out->p, &out->l));
+  return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
 }
 
 inline Error parse_gemm_indexed_act(const std::string& call, const AnyBuffer& x, const AnyBuffer& qweight,
@@ -773,9 +773,9 @@ inline Error parse_gemm_indexed_act(const std::string& call, const AnyBuffer& x,
   if (at.act_group_k != 0) return invalid(call, "act_group_k must be 0: the activated rows stay 16-bit");
   out->kind = ActQuant::kNone;
   // y's rows are the GEMM's activations (16-bit: no scale operand is read; x stands in for it).
-  HJ_RETURN_IF_ERROR(parse_gemm(call, y, x, qweight, scale, zero, scale2, bias, at, c, &out->p));
-  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)}));
-  return check_indexed_layout(call, x, c, sorted_ids, block_expert_ids, ntpp, gather_div, block_m, &out->l);
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, y, x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids,
+                                        ntpp, at, gather_div, block_m, c, &out->p, &out->l));
+  return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
 }
 
 // finalize: the result has out's shape and is apart from d, topk_weights and src_rows (it may

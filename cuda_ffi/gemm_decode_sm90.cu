@@ -32,6 +32,10 @@ constexpr int64_t kMaxRowsPerExpertQuantGrouped = 64;
 constexpr int64_t kMaxRowsPerExpertQuant4Grouped = 128;
 constexpr int64_t kSmemReservedPerCta = 1024 + kStaticSmemReserve;  // + the kernel's static shared memory
 
+// Resident CTAs per SM for `smem` bytes of dynamic shared memory each (at most two: the kernel's
+// launch bounds).
+int64_t ctas_per_sm(int64_t smem) { return std::min<int64_t>(2, kSmemPerSm / (smem + kSmemReservedPerCta)); }
+
 // Compute capability and SM count of the current device (host queries, allowed under capture).
 bool device_info(int* major, int* minor, int* sms) {
   int dev = 0;
@@ -236,7 +240,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
-    const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (sm + kSmemReservedPerCta));
+    const int64_t per_sm = ctas_per_sm(sm);
     const int64_t bn = kWarps / c * kRowsPerWarp;
     const int64_t ctas = est * ((N + bn - 1) / bn), slots = std::max<int64_t>(1, per_sm * sms);
     const int64_t tenths = std::max(10 * ((ctas + slots - 1) / slots), kPairCost * ((ctas + sms - 1) / sms));
@@ -315,6 +319,11 @@ int64_t quant_decode_rows_per_expert(WeightType t) {
 
 namespace {
 
+// The rows an item is expected to hold (the planner's estimate of items with rows).
+int64_t expected_item_rows(const GemmLaunch& L, const DecodeLaunch& D) {
+  return (L.c_rows + D.est_items - 1) / std::max(1, D.est_items);
+}
+
 // Whether the decode kernel can quantize qin's rows (after silu, where qin asks for it) as it
 // takes the call: the fp8 x fp8 variant, fp8 e4m3 codes in 128-k groups of 16-bit rows, 16-byte
 // aligned, every item's rows held whole (whole_rows covers the most rows an item has), shared
@@ -337,8 +346,7 @@ bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin)
   // pass, each pass waiting on its loads: more than kMaxQuantPasses passes for the expected rows
   // of an item outlast the first weight stages (benchmarks/NOTES.md v11s: mixtral GEMM2, K = 14336,
   // 7 passes, 1.5x slower than the quantization kernel first).
-  const int64_t rows = (L.c_rows + D.est_items - 1) / std::max(1, D.est_items);
-  if (rows * (D.K / 128) > int64_t{kMaxQuantPasses} * (kThreads / 16)) return false;
+  if (expected_item_rows(L, D) * (D.K / 128) > int64_t{kMaxQuantPasses} * (kThreads / 16)) return false;
   return static_cast<int64_t>(kStages) * kWStageBytes + xq_region_bytes(D) <= kMaxDynamicSmem;
 }
 
@@ -356,18 +364,16 @@ constexpr int64_t kMaxActWaves = 2;
 bool activates_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin, int sms) {
   const DecodeLaunch& D = pl.D;
   if (L.mode != RowMode::kIndexed || qin.kind != ActQuant::kNone) return false;
-  if (pl.dq != Deq::kRaw && pl.dq != Deq::kPackedU4 && pl.dq != Deq::kPackedFp4) return false;
+  if (!activates_rows(pl.dq)) return false;
   const ActKind want = qin.xt == ElemType::kF16 ? ActKind::kF16 : ActKind::kBF16;
   if (pl.ak != want || (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16)) return false;
   if (qin.act != static_cast<int>(Activation::kSilu) && qin.act != static_cast<int>(Activation::kSwigluOai))
     return false;
   if (qin.K != D.K || D.K % 8 != 0 || qin.N1 % 8 != 0 || !aligned_to(qin.x, 16)) return false;
   if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
-  const int64_t rows = (L.c_rows + D.est_items - 1) / std::max(1, D.est_items);
-  if (rows * (D.K / 8) > kMaxActUnits) return false;
-  const int64_t per_sm = std::min<int64_t>(2, kSmemPerSm / (static_cast<int64_t>(pl.smem) + kSmemReservedPerCta));
+  if (expected_item_rows(L, D) * (D.K / 8) > kMaxActUnits) return false;
   const int64_t ctas = int64_t{D.est_items} * pl.grid.x;
-  return ctas <= kMaxActWaves * std::max<int64_t>(1, per_sm) * sms;
+  return ctas <= kMaxActWaves * std::max<int64_t>(1, ctas_per_sm(static_cast<int64_t>(pl.smem))) * sms;
 }
 
 }  // namespace

@@ -72,6 +72,11 @@ enum class ActKind : int { kBF16 = 0, kF16 = 1, kFp8 = 2, kI8 = 3 };
 // 16-bit activations. kCodes: 8-bit activations.
 enum class Deq : int { kRaw = 0, kPackedU4 = 1, kPackedFp4 = 2, kF32 = 3, kCodes = 4 };
 
+// The variants that activate their 16-bit token rows themselves (gemm_indexed_act,
+// DecodeLaunch::xq): raw and packed. The float32-scale ones would spill (36-44 bytes) around the
+// call. The host takes the fused path only for these (activates_whole).
+constexpr bool activates_rows(Deq dq) { return dq == Deq::kRaw || dq == Deq::kPackedU4 || dq == Deq::kPackedFp4; }
+
 // n / d for n < 2^31 by a multiply and a shift (the divisor is a run-time constant of the launch).
 struct FastDiv {
   uint32_t mul, shift;
@@ -385,9 +390,7 @@ struct Kern {
   // more registers. Packed e2m1 only: 1-2.5% faster there at 1-16 tokens, while packed uint4 was
   // -1% to +1.2% (benchmarks/NOTES.md, v11j) and the other variants would spill.
   static constexpr bool kRowOffsets = DQ == Deq::kPackedFp4;
-  // 16-bit token rows activated by the kernel (gemm_indexed_act, DecodeLaunch::xq): the raw and
-  // packed variants. The float32-scale ones would spill (36-44 bytes) around the call.
-  static constexpr bool kActivates = DQ == Deq::kRaw || DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4;
+  static constexpr bool kActivates = activates_rows(DQ);
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes

@@ -43,54 +43,17 @@ __device__ __forceinline__ float half_to_float(uint32_t h) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 
-// The 8 16-bit values of type XT in u as float32.
+// 8 consecutive 16-bit values of type XT at p (16-byte aligned, read through the read-only cache)
+// as float32.
 template <ElemType XT>
-__device__ __forceinline__ void unpack8(const uint4& u, float (&v)[8]) {
+__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     v[2 * q] = half_to_float<XT>(w[q] & 0xffffu);
     v[2 * q + 1] = half_to_float<XT>(w[q] >> 16);
   }
-}
-
-// 8 consecutive 16-bit values of type XT at p (16-byte aligned, read through the read-only cache)
-// as float32.
-template <ElemType XT>
-__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
-  unpack8<XT>(__ldg(reinterpret_cast<const uint4*>(p)), v);
-}
-
-// The two 16-byte loads behind output columns i0 .. i0 + 7 of a gated activation a of the row at xr
-// (I output columns): swigluoai's interleaved pairs (gate 2i, up 2i + 1) at 2 * i0 and 2 * i0 + 8,
-// the others' halves (gate i, up I + i) at i0 and I + i0.
-__device__ __forceinline__ void gated_loads(Activation a, const uint16_t* xr, int I, int i0, uint4& ra, uint4& rb) {
-  const bool oai = a == Activation::kSwigluOai;
-  ra = __ldg(reinterpret_cast<const uint4*>(xr + (oai ? 2 * i0 : i0)));
-  rb = __ldg(reinterpret_cast<const uint4*>(xr + (oai ? 2 * i0 + 8 : I + i0)));
-}
-
-// The activated values of gated_loads' two words, in float32.
-template <ElemType XT>
-__device__ __forceinline__ void gated8(Activation a, float limit, const uint4& ra, const uint4& rb, float (&v)[8]) {
-  float g[8], u[8];
-  if (a == Activation::kSwigluOai) {
-    float p0[8], p1[8];
-    unpack8<XT>(ra, p0);
-    unpack8<XT>(rb, p1);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      g[e] = p0[2 * e];
-      u[e] = p0[2 * e + 1];
-      g[e + 4] = p1[2 * e];
-      u[e + 4] = p1[2 * e + 1];
-    }
-  } else {
-    unpack8<XT>(ra, g);
-    unpack8<XT>(rb, u);
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = activation_gated(a, g[e], u[e], limit);
 }
 
 // Two float32 values rounded to XT (kBF16 or kF16), packed low | high << 16.
@@ -116,9 +79,24 @@ __device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, i
     for (int e = 0; e < 8; ++e) v[e] = activation_single(a, v[e]);
     return;
   }
-  uint4 ra, rb;
-  gated_loads(a, xr, I, i0, ra, rb);
-  gated8<XT>(a, limit, ra, rb, v);
+  float g[8], u[8];
+  if (a == Activation::kSwigluOai) {  // interleaved: gate 2i, up 2i + 1
+    float p0[8], p1[8];
+    load8<XT>(xr + 2 * i0, p0);
+    load8<XT>(xr + 2 * i0 + 8, p1);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      g[e] = p0[2 * e];
+      u[e] = p0[2 * e + 1];
+      g[e + 4] = p1[2 * e];
+      u[e + 4] = p1[2 * e + 1];
+    }
+  } else {  // halves: gate i, up I + i
+    load8<XT>(xr + i0, g);
+    load8<XT>(xr + I + i0, u);
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = activation_gated(a, g[e], u[e], limit);
 }
 
 // The code byte of the quotient c = v / s: the hardware conversion (round to nearest even,

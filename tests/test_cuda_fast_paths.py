@@ -747,6 +747,18 @@ def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, 
         assert ring.count == (5 if ringed else 0), f"{variant}: {ring.count} launches of the ring kernel"
 
 
+def _check_fused_forms(got, fn, ops, dtype, what):
+    """GPU results of a fused-vs-separate form (humming_jax.testing.indexed_*_forms): the rows the
+    routing fills finite and not all zero, the fused call's bits the separate calls', both against
+    the CPU's run of the same forms."""
+    valid = got["src"].reshape(-1) >= 0
+    assert np.all(np.isfinite(got["fused"][valid])) and np.any(got["fused"][valid] != 0.0), what
+    np.testing.assert_array_equal(got["fused"][valid], got["two"][valid], err_msg=f"{what}: fused != two calls")
+    want = _run_on(CPU, fn, ops)
+    np.testing.assert_array_equal(got["src"], want["src"])
+    _assert_close(got["fused"][valid], want["fused"][valid], dtype, f"{what} against the CPU")
+
+
 _DECODE_QUANT_LAUNCHES = _ffi.launch_counter("HjDecodeQuantLaunches") if GPU is not None else None
 
 # gemm_indexed_quant (GEMM1 with its 16-bit input quantized in the call): the decode kernel
@@ -783,12 +795,7 @@ def test_decode_fused_input_quant_matches_two_calls_and_cpu(rng, monkeypatch, ac
     what = f"{variant} {activation} {jnp.dtype(dtype).name} M={m} E={e} N={n} K={kdim}"
     with _LaunchCount(_DECODE_QUANT_LAUNCHES) as fused, _LaunchCount(_DECODE_RING_LAUNCHES) as ring:
         got = _run_on(GPU, fn, ops)
-    valid = got["src"].reshape(-1) >= 0
-    assert np.all(np.isfinite(got["fused"][valid])) and np.any(got["fused"][valid] != 0.0), what
-    np.testing.assert_array_equal(got["fused"][valid], got["two"][valid], err_msg=f"{what}: fused != two calls")
-    want = _run_on(CPU, fn, ops)
-    np.testing.assert_array_equal(got["src"], want["src"])
-    _assert_close(got["fused"][valid], want["fused"][valid], dtype, f"{what} against the CPU")
+    _check_fused_forms(got, fn, ops, dtype, what)
     if variant.startswith("decode"):  # the decode kernel activates with silu only
         expect = 0 if variant == "decode-unfused" or activation not in (None, "silu") else 1
         assert (fused.count, ring.count) == (expect, 0), f"{what}: {fused.count} fused, {ring.count} ring launches"
@@ -839,12 +846,7 @@ def test_decode_fused_activation_matches_two_calls_and_cpu(rng, monkeypatch, var
     what = f"{scheme} {variant} {activation} M={m} E={e} N={n} K={kdim}"
     with _LaunchCount(_DECODE_ACT_LAUNCHES) as fused, _LaunchCount(_DECODE_LAUNCHES) as launches:
         got = _run_on(GPU, fn, ops)
-    valid = got["src"].reshape(-1) >= 0
-    assert np.all(np.isfinite(got["fused"][valid])) and np.any(got["fused"][valid] != 0.0), what
-    np.testing.assert_array_equal(got["fused"][valid], got["two"][valid], err_msg=f"{what}: fused != two calls")
-    want = _run_on(CPU, fn, ops)
-    np.testing.assert_array_equal(got["src"], want["src"])
-    _assert_close(got["fused"][valid], want["fused"][valid], dtype, f"{what} against the CPU")
+    _check_fused_forms(got, fn, ops, dtype, what)
     assert launches.count == 2, f"{what}: {launches.count} decode launches"
     expect = int(fits and activation != "gelu" and variant not in ("decode-unfused", "staged")
                  and scheme != "w8a16-fp8-block128")

@@ -292,6 +292,9 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
   // in the 4-bit packed variants (A/B timing).
   D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
 
+  D.x_rows = D.bn;  // the CTA's rows (gemm_indexed_gated's halves pairing sets them again)
+  D.up_warp = D.wn;
+  D.up_skip = 0;
   const int64_t n_slices = (N + D.bn - 1) / D.bn;
   if (n_slices > INT32_MAX) return decline(L, "N too large");
   out->ak = ak;
@@ -430,13 +433,19 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
     }
   }
   if (qin && !fuse) HJ_RETURN_IF_ERROR(launch_quantize(call, stream, *qin));
-  const bool gating = gate_here && !ring;  // the ring kernel keeps its own epilogue
+  // The ring kernel keeps its own epilogue; the raw and packed variants hold the gated one.
+  const bool gating = gate_here && !ring && activates_rows(pl.dq);
   if (gating) {
     pl.D.gate_act = gate->act;
     pl.D.gate_oai = oai ? 1 : 0;
     pl.D.gate_limit = gate->limit;
     pl.D.gate_I = static_cast<int>(L.p.N / 2);
     pl.D.gate_y = gate->y;
+    if (!oai) {  // the first wn / 2 warps take gate rows, the others the matching up rows
+      pl.D.x_rows = pl.D.bn / 2;
+      pl.D.up_warp = pl.D.wn / 2;
+      pl.D.up_skip = pl.D.gate_I - pl.D.bn / 2;
+    }
   }
   const int ring_rows = ring ? launch_fp8_ring(D, sms, stream) : 0;
   const bool on_ring = ring_rows > 0;

@@ -73,8 +73,9 @@ enum class ActKind : int { kBF16 = 0, kF16 = 1, kFp8 = 2, kI8 = 3 };
 enum class Deq : int { kRaw = 0, kPackedU4 = 1, kPackedFp4 = 2, kF32 = 3, kCodes = 4 };
 
 // The variants that activate their 16-bit token rows themselves (gemm_indexed_act,
-// DecodeLaunch::xq): raw and packed. The float32-scale ones would spill (36-44 bytes) around the
-// call. The host takes the fused path only for these (activates_whole).
+// DecodeLaunch::xq) and their output pairs in the epilogue (gemm_indexed_gated,
+// DecodeLaunch::gate_act): raw and packed. The float32-scale ones would spill (28-44 bytes). The
+// host takes the fused paths only for these (activates_whole, launch_decode).
 constexpr bool activates_rows(Deq dq) { return dq == Deq::kRaw || dq == Deq::kPackedU4 || dq == Deq::kPackedFp4; }
 
 // n / d for n < 2^31 by a multiply and a shift (the divisor is a run-time constant of the launch).
@@ -136,6 +137,10 @@ struct DecodeLaunch {
   float gate_limit;
   int gate_I;  // output columns, N / 2
   void* gate_y;
+  // The CTA's weight rows (set by the host for every launch): from blockIdx.x * x_rows, warps
+  // wn >= up_warp adding up_skip (x_rows = bn, up_warp = wn, up_skip = 0 unless gate_act pairs
+  // halves: bn / 2, wn / 2, I - bn / 2).
+  int x_rows, up_warp, up_skip;
 };
 
 // The quantized rows' scales in the activation region: [whole_rows][K / 128] float32 after the
@@ -1068,9 +1073,11 @@ struct Kern {
           if (tok < item.nvalid) red[(wk * kMaxRows + tok) * bnp + nl] = acc[i][j][r];
         }
     __syncthreads();
-    if (D.gate_act >= 0) {
-      store_gated(D, item.expert, item.nvalid, red, s_crow, tid);
-      return;
+    if constexpr (kActivates) {  // the raw and packed variants (the float32-scale ones would spill)
+      if (D.gate_act >= 0) {
+        store_gated(D, item.expert, item.nvalid, red, s_crow, tid);
+        return;
+      }
     }
 
     const int N = D.N;
@@ -1377,12 +1384,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       it_.nvalid = nvalid;
       const WeightView& w = L.p.w;
       const int wn = warp & (D.wn - 1);
+      // The CTA's rows from blockIdx.x * x_rows; warps from up_warp on skip up_skip rows (the gated
+      // halves pairing: gate rows i, then up rows I + i; otherwise x_rows = bn and no warp skips).
       int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
-      if (D.gate_act >= 0 && !D.gate_oai) {  // gate rows (i) on the first wn / 2 warps, up rows (I + i) on the others
-        const int hw = D.wn >> 1;
-        n_lane = (wn >= hw ? static_cast<int64_t>(D.gate_I) : 0) + static_cast<int64_t>(blockIdx.x) * (D.bn >> 1) +
-                 (wn & (hw - 1)) * kRowsPerWarp + (lane >> 2);
-      }
+      if constexpr (K_::kActivates)  // only the variants with the gated epilogue
+        n_lane = static_cast<int64_t>(blockIdx.x) * D.x_rows + wn * kRowsPerWarp + (lane >> 2) +
+                 (wn >= D.up_warp ? D.up_skip : 0);
       const int64_t n_first = K_::kRowOffsets ? min(n_lane, static_cast<int64_t>(D.N) - 1) : n_lane;
       it_.wlane = static_cast<const uint8_t*>(w.data) +
                   (static_cast<int64_t>(expert) * D.N + n_first) * D.w_row_bytes + (lane & 3) * 16;

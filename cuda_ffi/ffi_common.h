@@ -434,6 +434,25 @@ auto bind_gemm_indexed_act() {
       .template Attr<float>("limit");
 }
 
+// gemm_indexed_gated(a, a_scale, w..., sorted_ids, block_expert_ids, num_tokens_post_padded)
+//   -> y, c: activation(gemm_indexed(a), activation, limit) for a gated activation, y [M * top_k,
+//   N / 2] (c [M * top_k, N] holds the GEMM's rows where a kernel needs them; otherwise its
+//   contents are unspecified)
+template <typename PlatformCtx>
+auto bind_gemm_indexed_gated() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // sorted_ids
+      .template Arg<AnyBuffer>()  // block_expert_ids
+      .template Arg<AnyBuffer>()  // num_tokens_post_padded
+      .template Ret<AnyBuffer>()  // y [M * top_k, N / 2]
+      .template Ret<AnyBuffer>()  // c [M * top_k, N]
+      HJ_GEMM_ATTRS
+      .template Attr<int64_t>("gather_div")
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("limit");
+}
+
 // gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace
 template <typename PlatformCtx>
 auto bind_gemm_grouped() {
@@ -730,6 +749,27 @@ inline Error parse_gemm_indexed(const std::string& call, const AnyBuffer& a, con
                                 IndexedLayout* l) {
   HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias, at, c, p));
   return check_indexed_layout(call, a, c, sorted_ids, block_expert_ids, ntpp, gather_div, block_m, l);
+}
+
+// gemm_indexed_gated: the indexed GEMM into c, then y = the gated activation of c's rows.
+inline Error parse_gemm_indexed_gated(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
+                                      const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
+                                      const AnyBuffer& scale2, const AnyBuffer& bias, const AnyBuffer& sorted_ids,
+                                      const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp, const GemmAttrs& at,
+                                      int64_t activation, int64_t gather_div, int64_t block_m, const AnyBuffer& y,
+                                      const AnyBuffer& c, GemmProblem* p, IndexedLayout* l) {
+  if (activation < 0 || activation >= kNumActivations || !activation_is_gated(static_cast<Activation>(activation)))
+    return invalid(call, "activation " + std::to_string(activation) + " is not a gated activation");
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, a, a_scale, qweight, scale, zero, scale2, bias, sorted_ids,
+                                        block_expert_ids, ntpp, at, gather_div, block_m, c, p, l));
+  if (p->N % 2) return invalid(call, "a gated activation needs an even number of weight rows, got N = " +
+                                         std::to_string(p->N));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {dim(c, 0), p->N / 2}));
+  if (y.element_type() != c.element_type()) return invalid(call, "y must have c's dtype");
+  return check_no_overlap(call, {span_of("y", y)},
+                          {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
+                           span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
+                           span_of("bias", bias)});
 }
 
 // gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized

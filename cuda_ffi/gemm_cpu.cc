@@ -113,6 +113,23 @@ Error GemmIndexedActCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, An
   return Error::Success();
 }
 
+Error GemmIndexedGatedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                          AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
+                          AnyBuffer ntpp, Result<AnyBuffer> y, Result<AnyBuffer> c, int64_t weight_type,
+                          int64_t group_n, int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                          int64_t act_group_k, int64_t gather_div, int64_t block_m, int64_t activation, float limit) {
+  GemmProblem p;
+  IndexedLayout l;
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_gated(
+      "gemm_indexed_gated", a, a_scale, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
+      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
+      block_m, *y, *c, &p, &l));
+  gemm_indexed_runs(p, l);
+  activate_rows_cpu(p.c_type, c->untyped_data(), dim(*c, 0), p.N, p.N / 2, static_cast<int>(activation), limit,
+                    y->untyped_data());
+  return Error::Success();
+}
+
 Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                      AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
                      Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
@@ -195,6 +212,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCpu, hj::GemmIndexedCpu, hj::bind_gem
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCpu, hj::GemmIndexedQuantCpu,
                               hj::bind_gemm_indexed_quant<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedActCpu, hj::GemmIndexedActCpu, hj::bind_gemm_indexed_act<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCpu, hj::GemmIndexedGatedCpu,
+                              hj::bind_gemm_indexed_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCpu, hj::GemmBatchedCpu, hj::bind_gemm_batched<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedIntoCpu, hj::GemmBatchedIntoCpu,

@@ -72,14 +72,17 @@ Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
 // qin: the call's activations are the quantization (or, kNone, the activation) of qin->x, to run
 // before the GEMM's kernel reads L.p.a (the decode path runs it itself, or has its kernel quantize
 // or activate while it loads).
+// gate / gated (gemm_indexed_gated): the decode kernel may write the activated pairs itself
+// (*gated = true); otherwise c is written and the caller activates it.
 Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream,
-             const InputQuant* qin = nullptr) {
+             const InputQuant* qin = nullptr, const GatedOut* gate = nullptr, bool* gated = nullptr) {
+  if (gated) *gated = false;
   const int64_t n_tiles = (L.p.N + gemm::kBN - 1) / gemm::kBN;
   if (m_tiles == 0 || n_tiles == 0) return Error::Success();
 #if defined(HUMMING_JAX_FAST_PATHS)
   // Decode: the weight-streaming kernel (gemm_decode_sm90.h) when the rows per expert are few.
   bool decode_ran = false;
-  const Error decode_err = decode::launch_decode(call, L, stream, &decode_ran, qin);
+  const Error decode_err = decode::launch_decode(call, L, stream, &decode_ran, qin, gate, gated);
   if (decode_ran || !decode_err.success()) return decode_err;
 #endif
   if (m_tiles > INT32_MAX) return invalid(call, "too many row tiles");
@@ -96,7 +99,8 @@ Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_til
 // The indexed GEMM of a parsed problem over a checked layout (gemm_indexed, gemm_indexed_quant,
 // gemm_indexed_act).
 Error launch_indexed(const std::string& call, const GemmProblem& p, const IndexedLayout& l, int64_t gather_div,
-                     int64_t block_m, cudaStream_t stream, const InputQuant* qin = nullptr) {
+                     int64_t block_m, cudaStream_t stream, const InputQuant* qin = nullptr,
+                     const GatedOut* gate = nullptr, bool* gated = nullptr) {
   GemmLaunch L{};
   HJ_RETURN_IF_ERROR(prepare(call, p, &L));
   const int bm = pick_bm(block_m);
@@ -111,7 +115,7 @@ Error launch_indexed(const std::string& call, const GemmProblem& p, const Indexe
   L.c_rows = l.c_rows;
   L.padded_rows = l.padded_rows;
   L.sub_tiles = (block_m + bm - 1) / bm;
-  return launch(call, L, bm, l.num_blocks * L.sub_tiles, stream, qin);
+  return launch(call, L, bm, l.num_blocks * L.sub_tiles, stream, qin, gate, gated);
 }
 
 Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
@@ -162,6 +166,29 @@ Error GemmIndexedActCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*/,
   const InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), ActQuant::kNone, g.s.R, g.s.N1, g.s.I,
                        0, y->untyped_data(), nullptr, static_cast<int>(activation), limit};
   return launch_indexed(call, g.p, g.l, gather_div, block_m, stream, &qin);
+}
+
+Error GemmIndexedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                           AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids,
+                           AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> y, Result<AnyBuffer> c,
+                           int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                           int64_t has_scale2, int64_t has_bias, int64_t act_group_k, int64_t gather_div,
+                           int64_t block_m, int64_t activation, float limit) {
+  const std::string call = "gemm_indexed_gated";
+  GemmProblem p;
+  IndexedLayout l;
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_gated(
+      call, a, a_scale, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
+      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
+      block_m, *y, *c, &p, &l));
+  const GatedOut gate{static_cast<int>(activation), limit, y->untyped_data()};
+  bool gated = false;
+  HJ_RETURN_IF_ERROR(launch_indexed(call, p, l, gather_div, block_m, stream, nullptr, &gate, &gated));
+  if (gated) return Error::Success();
+  // The GEMM wrote c: the activation kernel makes y from it.
+  return launch_quantize(call, stream,
+                         InputQuant{c->untyped_data(), p.c_type, ActQuant::kNone, dim(*c, 0), p.N, p.N / 2, 0,
+                                    y->untyped_data(), nullptr, static_cast<int>(activation), limit});
 }
 
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
@@ -246,6 +273,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCuda, hj::GemmIndexedQuantCuda,
                               hj::bind_gemm_indexed_quant<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedActCuda, hj::GemmIndexedActCuda,
                               hj::bind_gemm_indexed_act<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCuda, hj::GemmIndexedGatedCuda,
+                              hj::bind_gemm_indexed_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCuda, hj::GemmBatchedCuda, hj::bind_gemm_batched<hj::CudaStream>(),

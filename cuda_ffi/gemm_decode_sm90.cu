@@ -17,6 +17,7 @@ std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_ring_launches{0};  // of which the fp8 ring kernel
 std::atomic<uint64_t> g_quant_launches{0};  // of which the decode kernel quantizing its token rows
 std::atomic<uint64_t> g_act_launches{0};    // of which the decode kernel activating its token rows
+std::atomic<uint64_t> g_gated_launches{0};  // of which the decode kernel activating its output pairs
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
 constexpr int64_t kSmemPerSm = 228 * 1024;
@@ -73,12 +74,15 @@ struct Plan {
   size_t smem;
 };
 
-bool plan(const GemmLaunch& L, int sms, Plan* out) {
+// max_wk: the most K groups a CTA may split into (gemm_indexed_gated's halves pairing needs two
+// warps along N, so at most kWarps / 2).
+bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
   const GemmProblem& p = L.p;
   const WeightView& w = p.w;
   DecodeLaunch& D = out->D;
   D = DecodeLaunch{};
   D.g = L;
+  D.gate_act = -1;
   const int64_t K = p.K, N = p.N, E = L.E;
   if (K <= 0 || N <= 0 || E <= 0) return decline(L, "empty problem");
   if (K >= (int64_t{1} << 30) || N >= (int64_t{1} << 30)) return decline(L, "K or N too large");
@@ -237,7 +241,7 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   const int64_t item_act_bytes = std::min<int64_t>(D.max_rows, (rows_total + est - 1) / est) * K * asz;
   int wk = 1;
   double best = 0.0;  // the lowest score so far, the first (smallest wk) among equals; double: no overflow
-  for (int c = 1; c <= kWarps && (c == 1 || c <= D.nc); c *= 2) {
+  for (int c = 1; c <= max_wk && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
     const int64_t per_sm = ctas_per_sm(sm);
@@ -255,7 +259,9 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   // HUMMING_JAX_DECODE_WK=1|2|4|8 forces the K split where it fits (for tuning measurements).
   if (const char* v = std::getenv("HUMMING_JAX_DECODE_WK"); v && *v) {
     const int c = std::atoi(v);
-    if ((c == 1 || c == 2 || c == 4 || c == 8) && (c == 1 || c <= D.nc) && smem_for(c) <= kMaxDynamicSmem) wk = c;
+    if ((c == 1 || c == 2 || c == 4 || c == 8) && c <= max_wk && (c == 1 || c <= D.nc) &&
+        smem_for(c) <= kMaxDynamicSmem)
+      wk = c;
   }
   D.est_items = static_cast<int>(std::min<int64_t>(est, INT32_MAX));
   D.wk = wk;
@@ -286,6 +292,9 @@ bool plan(const GemmLaunch& L, int sms, Plan* out) {
   // in the 4-bit packed variants (A/B timing).
   D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
 
+  D.x_rows = D.bn;  // the CTA's rows (gemm_indexed_gated's halves pairing sets them again)
+  D.up_warp = D.wn;
+  D.up_skip = 0;
   const int64_t n_slices = (N + D.bn - 1) / D.bn;
   if (n_slices > INT32_MAX) return decline(L, "N too large");
   out->ak = ak;
@@ -379,16 +388,22 @@ bool activates_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin,
 }  // namespace
 
 Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched,
-                    const InputQuant* qin) {
+                    const InputQuant* qin, const GatedOut* gate, bool* gated) {
   *launched = false;
+  if (gated) *gated = false;
   if (!env_flag("HUMMING_JAX_DECODE", true)) return Error::Success();
   int major = 0, minor = 0, sms = 0;
   if (!device_info(&major, &minor, &sms) || major != 9 || minor != 0) {
     decline(L, "not a compute capability 9.0 device");
     return Error::Success();
   }
+  // gemm_indexed_gated: the epilogue pairs the rows (indexed layout, an even N; the halves pairing
+  // splits the CTA's warps, so at most kWarps / 2 K groups). HUMMING_JAX_DECODE_GATED=0: never.
+  const bool oai = gate && gate->act == static_cast<int>(Activation::kSwigluOai);
+  const bool gate_here = gate && gated && L.mode == RowMode::kIndexed && L.p.N % 2 == 0 &&
+                         env_flag("HUMMING_JAX_DECODE_GATED", true);
   Plan pl;
-  if (!plan(L, sms, &pl)) return Error::Success();
+  if (!plan(L, sms, &pl, gate_here && !oai ? kWarps / 2 : kWarps)) return Error::Success();
   const DecodeLaunch& D = pl.D;
   // fp8 x fp8 calls on the persistent ring kernel where the expected work units (items with rows x
   // 256-row slices) fill the SMs, as one CTA per SM otherwise leaves SMs idle (benchmarks/NOTES.md,
@@ -418,6 +433,20 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
     }
   }
   if (qin && !fuse) HJ_RETURN_IF_ERROR(launch_quantize(call, stream, *qin));
+  // The ring kernel keeps its own epilogue; the raw and packed variants hold the gated one.
+  const bool gating = gate_here && !ring && activates_rows(pl.dq);
+  if (gating) {
+    pl.D.gate_act = gate->act;
+    pl.D.gate_oai = oai ? 1 : 0;
+    pl.D.gate_limit = gate->limit;
+    pl.D.gate_I = static_cast<int>(L.p.N / 2);
+    pl.D.gate_y = gate->y;
+    if (!oai) {  // the first wn / 2 warps take gate rows, the others the matching up rows
+      pl.D.x_rows = pl.D.bn / 2;
+      pl.D.up_warp = pl.D.wn / 2;
+      pl.D.up_skip = pl.D.gate_I - pl.D.bn / 2;
+    }
+  }
   const int ring_rows = ring ? launch_fp8_ring(D, sms, stream) : 0;
   const bool on_ring = ring_rows > 0;
   if (ring && !on_ring)
@@ -435,7 +464,9 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
     return Error::Success();
   }
   *launched = true;
+  if (gated) *gated = gating && !on_ring;
   g_launches.fetch_add(1, std::memory_order_relaxed);
+  if (gating && !on_ring) g_gated_launches.fetch_add(1, std::memory_order_relaxed);
   if (on_ring) g_ring_launches.fetch_add(1, std::memory_order_relaxed);
   if (fuse) (act_only ? g_act_launches : g_quant_launches).fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
@@ -475,4 +506,9 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeQuantLaunches
 // (gemm_indexed_act).
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeActLaunches() {
   return hj::decode::g_act_launches.load(std::memory_order_relaxed);
+}
+
+// Of those, decode kernel launches that wrote activated output pairs (gemm_indexed_gated).
+extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeGatedLaunches() {
+  return hj::decode::g_gated_launches.load(std::memory_order_relaxed);
 }

@@ -73,8 +73,9 @@ enum class ActKind : int { kBF16 = 0, kF16 = 1, kFp8 = 2, kI8 = 3 };
 enum class Deq : int { kRaw = 0, kPackedU4 = 1, kPackedFp4 = 2, kF32 = 3, kCodes = 4 };
 
 // The variants that activate their 16-bit token rows themselves (gemm_indexed_act,
-// DecodeLaunch::xq): raw and packed. The float32-scale ones would spill (36-44 bytes) around the
-// call. The host takes the fused path only for these (activates_whole).
+// DecodeLaunch::xq) and their output pairs in the epilogue (gemm_indexed_gated,
+// DecodeLaunch::gate_act): raw and packed. The float32-scale ones would spill (28-44 bytes). The
+// host takes the fused paths only for these (activates_whole, launch_decode).
 constexpr bool activates_rows(Deq dq) { return dq == Deq::kRaw || dq == Deq::kPackedU4 || dq == Deq::kPackedFp4; }
 
 // n / d for n < 2^31 by a multiply and a shift (the divisor is a run-time constant of the launch).
@@ -127,6 +128,19 @@ struct DecodeLaunch {
   int xq_act;
   float xq_limit;
   int64_t xq_cols;
+  // gemm_indexed_gated: gate_act >= 0 (a gated Activation code) makes the epilogue write
+  // y[row, i] = act(gate, up) of the row's rounded GEMM values instead of c; the pairs are weight
+  // rows (2i, 2i + 1) with gate_oai, else (i, I + i): then the CTA's first wn / 2 warps take gate
+  // rows and the others the matching up rows. A CTA covers output columns [x * bn / 2, + bn / 2).
+  int gate_act;
+  int gate_oai;
+  float gate_limit;
+  int gate_I;  // output columns, N / 2
+  void* gate_y;
+  // The CTA's weight rows (set by the host for every launch): from blockIdx.x * x_rows, warps
+  // wn >= up_warp adding up_skip (x_rows = bn, up_warp = wn, up_skip = 0 unless gate_act pairs
+  // halves: bn / 2, wn / 2, I - bn / 2).
+  int x_rows, up_warp, up_skip;
 };
 
 // The quantized rows' scales in the activation region: [whole_rows][K / 128] float32 after the
@@ -880,6 +894,48 @@ struct Kern {
     }
   }
 
+  // gemm_indexed_gated's epilogue (DecodeLaunch::gate_act): each output column's gate and up sums
+  // added over the wk groups in the fixed order and biased as the plain epilogue does, rounded to
+  // c's type as it would store them, then activated and rounded again: the values of the plain GEMM
+  // followed by the activation kernel, bit for bit. Inlined: as a call it made the packed int4
+  // variants with zero points spill (12 / 28 bytes); inlined they hold none.
+  static __device__ __forceinline__ void store_gated(const DecodeLaunch& D, int expert, int nvalid, const float* red,
+                                                  const int32_t* s_crow, int tid) {
+    const int bnp = D.bn + 8, half = D.bn >> 1, half_log2 = __ffs(half) - 1;
+    const bool oai = D.gate_oai != 0, c_f16 = D.g.p.c_type == ElemType::kF16;
+    const int64_t I = D.gate_I, N = D.N, col0 = static_cast<int64_t>(blockIdx.x) * half;
+    const float* bias = D.g.p.w.bias;
+    uint16_t* y = static_cast<uint16_t*>(D.gate_y);
+    const Activation a = static_cast<Activation>(D.gate_act);
+    for (int idx = tid; idx < (nvalid << half_log2); idx += kThreads) {
+      const int tok = idx >> half_log2, j = idx & (half - 1);
+      const int64_t col = col0 + j;
+      if (col >= I) continue;
+      const int lg = oai ? 2 * j : j, lu = oai ? 2 * j + 1 : half + j;        // the CTA's rows
+      const int64_t pg = oai ? 2 * col : col, pu = oai ? 2 * col + 1 : I + col;  // the weight rows
+      float g = 0.0f, u = 0.0f;
+      for (int q = 0; q < D.wk; ++q) {  // fixed order: deterministic, as the plain epilogue
+        g += red[(q * kMaxRows + tok) * bnp + lg];
+        u += red[(q * kMaxRows + tok) * bnp + lu];
+      }
+      if (bias) {
+        g += bias[static_cast<int64_t>(expert) * N + pg];
+        u += bias[static_cast<int64_t>(expert) * N + pu];
+      }
+      const uint32_t gu = c_f16 ? gemm::pack2<true>(g, u) : gemm::pack2<false>(g, u);  // the stored GEMM values
+      float v;
+      if (c_f16) {
+        v = activation_gated(a, half_to_float<ElemType::kF16>(gu & 0xffffu), half_to_float<ElemType::kF16>(gu >> 16),
+                             D.gate_limit);
+      } else {
+        v = activation_gated(a, half_to_float<ElemType::kBF16>(gu & 0xffffu),
+                             half_to_float<ElemType::kBF16>(gu >> 16), D.gate_limit);
+      }
+      const uint32_t out = c_f16 ? gemm::pack2<true>(v, 0.0f) : gemm::pack2<false>(v, 0.0f);
+      y[static_cast<int64_t>(s_crow[tok]) * I + col] = static_cast<uint16_t>(out & 0xffffu);
+    }
+  }
+
   // ------------------------------------------------------------------------------------------
   // One work item over the CTA's N slice: the K pipeline, the fixed-order reduction over the wk
   // warp groups, bias and the rounded store of every valid row.
@@ -1017,6 +1073,12 @@ struct Kern {
           if (tok < item.nvalid) red[(wk * kMaxRows + tok) * bnp + nl] = acc[i][j][r];
         }
     __syncthreads();
+    if constexpr (kActivates) {  // the raw and packed variants (the float32-scale ones would spill)
+      if (D.gate_act >= 0) {
+        store_gated(D, item.expert, item.nvalid, red, s_crow, tid);
+        return;
+      }
+    }
 
     const int N = D.N;
     const bool c_f16 = D.g.p.c_type == ElemType::kF16;
@@ -1322,7 +1384,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       it_.nvalid = nvalid;
       const WeightView& w = L.p.w;
       const int wn = warp & (D.wn - 1);
-      const int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
+      // The CTA's rows from blockIdx.x * x_rows; warps from up_warp on skip up_skip rows (the gated
+      // halves pairing: gate rows i, then up rows I + i; otherwise x_rows = bn and no warp skips).
+      int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
+      if constexpr (K_::kActivates)  // only the variants with the gated epilogue
+        n_lane = static_cast<int64_t>(blockIdx.x) * D.x_rows + wn * kRowsPerWarp + (lane >> 2) +
+                 (wn >= D.up_warp ? D.up_skip : 0);
       const int64_t n_first = K_::kRowOffsets ? min(n_lane, static_cast<int64_t>(D.N) - 1) : n_lane;
       it_.wlane = static_cast<const uint8_t*>(w.data) +
                   (static_cast<int64_t>(expert) * D.N + n_first) * D.w_row_bytes + (lane & 3) * 16;

@@ -26,8 +26,11 @@ namespace decode {
 // the rows itself where every work item holds them whole (fp8 e4m3 in 128-k groups;
 // HUMMING_JAX_DECODE_QUANT=0: never). When nothing is launched it may have run already; running it
 // again is harmless.
+// gate (gemm_indexed_gated): where the decode kernel takes the call (indexed layout, not the fp8
+// ring), its epilogue writes gate->y instead of c, and *gated says so; otherwise c is written and
+// the caller activates it.
 Error launch_decode(const std::string& call, const gemm::GemmLaunch& L, cudaStream_t stream, bool* launched,
-                    const InputQuant* qin = nullptr);
+                    const InputQuant* qin = nullptr, const GatedOut* gate = nullptr, bool* gated = nullptr);
 
 // Grouped calls with quantized weights of this type and 16-bit activations: the decode kernel takes
 // them up to this many rows per expert on average, and the dequantizing prefill path from it (64

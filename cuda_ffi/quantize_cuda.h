@@ -29,6 +29,14 @@ struct InputQuant {
   float limit = 0.0f;
 };
 
+// gemm_indexed_gated: the GEMM's output rows activated in pairs into y [rows, N / 2] (y = act(gate,
+// up) of each row's rounded values: rows 2i, 2i + 1 for swigluoai, else i, N / 2 + i).
+struct GatedOut {
+  int act;  // a gated Activation code
+  float limit;
+  void* y;
+};
+
 // Launches the quantization (kNone: the activation) of qin (moe_contract.h's values, bit for bit as
 // on the CPU).
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin);

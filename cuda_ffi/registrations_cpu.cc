@@ -13,6 +13,7 @@ XLA_FFI_Error* HjPermuteRowsCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedQuantCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedActCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* HjGemmIndexedGatedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmBatchedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmBatchedIntoCpu(XLA_FFI_CallFrame*);
@@ -38,6 +39,7 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["gemm_indexed"] = encapsulate(HjGemmIndexedCpu);
     d["gemm_indexed_quant"] = encapsulate(HjGemmIndexedQuantCpu);
     d["gemm_indexed_act"] = encapsulate(HjGemmIndexedActCpu);
+    d["gemm_indexed_gated"] = encapsulate(HjGemmIndexedGatedCpu);
     d["gemm_grouped"] = encapsulate(HjGemmGroupedCpu);
     d["gemm_batched"] = encapsulate(HjGemmBatchedCpu);
     d["gemm_batched_into"] = encapsulate(HjGemmBatchedIntoCpu);

@@ -27,6 +27,7 @@ CALLS = (
     "gemm_indexed",
     "gemm_indexed_quant",
     "gemm_indexed_act",
+    "gemm_indexed_gated",
     "gemm_grouped",
     "gemm_batched",
     "gemm_batched_into",

@@ -227,3 +227,30 @@ def assert_fused_equals_two(got: dict) -> None:
     assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
     np.testing.assert_array_equal(fused, two)
 
+
+def indexed_gated_forms(
+    rng: np.random.Generator,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    dtype: Any,
+    ids: jax.Array,
+    activation: str,
+    limit: float | None = None,
+) -> tuple[Callable[..., dict], tuple]:
+    """One random GEMM1 of the indexed class both ways: ``gemm_indexed_gated`` (the gated activation
+    of the GEMM's rows in its call) and ``gemm_indexed`` + ``activation``; token rows gathered by
+    id // k. Returns (fn, operands); fn(x, ids, w, bias) gives a dict: fused, two, src."""
+    e = w.num_experts
+    m, k = ids.shape
+    x = _token_rows(rng, m, w.k, 1.0, dtype)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, w, bias):
+        r = routing_ops.routing_indexed(ids, None, e, bm)
+        common = dict(rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype)
+        fused = gemm_ops.gemm_indexed_gated(x, None, w, bias, r, activation=activation, limit=limit, **common)
+        two = act_ops.activation(gemm_ops.gemm_indexed(x, None, w, bias, r, **common), activation, limit)
+        return dict(fused=fused, two=two, src=r.src_rows)
+
+    return fn, (x, ids, w, bias)
+

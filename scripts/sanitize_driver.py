@@ -34,6 +34,7 @@ from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
 from humming_jax.testing import (  # noqa: E402
     gemm_forms,
     indexed_act_forms,
+    indexed_gated_forms,
     indexed_quant_forms,
     random_packed_weight,
     random_routing,
@@ -118,6 +119,19 @@ def main() -> None:
         fn, operands = indexed_act_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
         run(fn, *operands)
 
+    # GEMM1 writing the gated activation of its rows (gemm_indexed_gated): the decode kernel's
+    # epilogue pairs gate and up rows (interleaved for swigluoai, halves otherwise).
+    for scheme, (m, topk, e, n, k), act in itertools.product(("w4a16-int4-g128", "bf16"),
+                                                           ((1, 8, 16, 528, 256), (16, 4, 8, 200, 256)),
+                                                           ("silu", "swigluoai")):
+        dtype = SCHEMES[scheme].default_dtype
+        w = SCHEMES[scheme].quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, dtype)
+        bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
+        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
+        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        fn, operands = indexed_gated_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
+        run(fn, *operands)
+
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
     # 128-row tiles for m = 1200 and 300 and 64-row tiles for m = 60; int4 through the mixed-input
     # kinds (256-token tiles at m = 1200, 128 at 300) and the 4-bit mainloop at 60, mxfp4 through the dequantization
@@ -171,7 +185,7 @@ def main() -> None:
         run(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c), jnp.zeros_like(xb), xb,
             wts, cnt)
     counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches",
-                                                              "HjDecodeQuantLaunches", "HjDecodeActLaunches",
+                                                              "HjDecodeQuantLaunches", "HjDecodeActLaunches", "HjDecodeGatedLaunches",
                                                               "HjPrefillLaunches")
               for fn in [hj._ffi.launch_counter(name)]}
     print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")

@@ -26,7 +26,13 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
-from humming_jax.testing import gemm_forms, indexed_act_forms, indexed_quant_forms, random_packed_weight
+from humming_jax.testing import (
+    gemm_forms,
+    indexed_act_forms,
+    indexed_gated_forms,
+    indexed_quant_forms,
+    random_packed_weight,
+)
 
 CPU = jax.devices("cpu")[0]
 GPU = jax.devices("cuda")[0] if hj.cuda_available() else None
@@ -851,6 +857,47 @@ def test_decode_fused_activation_matches_two_calls_and_cpu(rng, monkeypatch, var
     expect = int(fits and activation != "gelu" and variant not in ("decode-unfused", "staged")
                  and scheme != "w8a16-fp8-block128")
     assert fused.count == expect, f"{what}: {fused.count} launches activated their rows"
+
+
+_DECODE_GATED_LAUNCHES = _ffi.launch_counter("HjDecodeGatedLaunches") if GPU is not None else None
+
+# gemm_indexed_gated (GEMM1 writing the gated activation of its rows): the decode kernel's epilogue
+# pairs gate and up rows in one CTA (swigluoai: rows 2i, 2i + 1; otherwise i, N / 2 + i, the CTA's
+# warps split in two, at most 4 K groups; raw and packed variants); "unfused"
+# (HUMMING_JAX_DECODE_GATED=0) and w8a16-fp8-block128 (a float32-scale variant) write c and run the
+# activation kernel. Odd output widths (N / 2 = 100, 36) leave a CTA's last columns empty.
+_GATED_ENV = {"default": {}, "unfused": {"HUMMING_JAX_DECODE_GATED": "0"}, "wk1": {"HUMMING_JAX_DECODE_WK": "1"},
+              "wk4": {"HUMMING_JAX_DECODE_WK": "4"}, "wk8": {"HUMMING_JAX_DECODE_WK": "8"}}
+_GATED_CASES = (
+    [(sc, a, lim, "default") for sc in ("bf16", "fp16", "w4a16-int4-g128", "w4a16-mxfp4", "w8a16-fp8-block128")
+     for a, lim in (("silu", None), ("swigluoai", 7.0))]
+    + [("w4a16-int4-g128", a, lim, v) for a, lim in (("silu", None), ("swigluoai", 7.0)) for v in sorted(_GATED_ENV)
+       if v != "default"]
+)
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme,activation,limit,variant", _GATED_CASES)
+@pytest.mark.parametrize("m,k,e,n,kdim", [(1, 8, 128, 528, 256), (16, 4, 8, 200, 256), (5, 2, 6, 72, 1024)])
+def test_decode_gated_epilogue_matches_two_calls_and_cpu(rng, monkeypatch, scheme, activation, limit, variant, m, k,
+                                                         e, n, kdim):
+    """GEMM1 with the activation in its epilogue gives gemm_indexed + activation's bits on the GPU and
+    agrees with the CPU; the counter shows which launches activated their output pairs."""
+    for name, value in _GATED_ENV[variant].items():
+        monkeypatch.setenv(name, value)
+    dtype = SCHEMES[scheme].default_dtype
+    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    ids, _ = _decode_routing(rng, m, k, e)
+    ids = jnp.where(ids >= e, -1, ids)
+    fn, ops = indexed_gated_forms(rng, w, bias, dtype, ids, activation, limit)
+    what = f"{scheme} {variant} {activation} M={m} E={e} N={n} K={kdim}"
+    with _LaunchCount(_DECODE_GATED_LAUNCHES) as gated, _LaunchCount(_DECODE_LAUNCHES) as launches:
+        got = _run_on(GPU, fn, ops)
+    _check_fused_forms(got, fn, ops, dtype, what)
+    assert launches.count == 2, f"{what}: {launches.count} decode launches"
+    expect = int(variant != "unfused" and scheme != "w8a16-fp8-block128")  # raw and packed variants only
+    assert gated.count == expect, f"{what}: {gated.count} gated launches"
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):

@@ -82,3 +82,45 @@ def test_fused_activation_rejects_bad_input(rng):
     wf = SCHEMES["fp16"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.float16)
     with pytest.raises(Exception, match="16-bit weights must have the activations' dtype"):
         jax.block_until_ready(gemm_ops.gemm_indexed_act(x, wf, None, r, activation="silu", **common))
+
+
+@pytest.mark.parametrize("scheme,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16),
+                                          ("w4a16-int4-g128", jnp.bfloat16), ("w4a16-mxfp4", jnp.bfloat16),
+                                          ("w8a16-fp8-block128", jnp.float16)])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu", None)])
+def test_gated_gemm_equals_two_calls(rng, scheme, dtype, activation, limit):
+    """gemm_indexed_gated (GEMM1 writing the activated rows) gives gemm_indexed + activation's bits."""
+    e, n, kdim, m, k = 6, 2 * 40, 256, 9, 3
+    w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    fn, ops = testing.indexed_gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
+                                          limit)
+    testing.assert_fused_equals_two(jax.jit(fn)(*ops))
+
+
+def test_indexed_layer_same_bits_with_the_activation_in_gemm1(rng, monkeypatch):
+    layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, scheme="w4a16-int4-g128", pad_frac=0.2)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "gemm1")
+    gated = run_standard(IndexedExperts, layer)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
+    two = run_standard(IndexedExperts, layer)
+    a, b = np.asarray(gated.astype(jnp.float32)), np.asarray(two.astype(jnp.float32))
+    assert np.all(np.isfinite(a)) and np.any(a != 0.0)
+    np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "gemm3")
+    with pytest.raises(ValueError, match="HUMMING_JAX_FUSED_ACTIVATION"):
+        run_standard(IndexedExperts, layer)
+
+
+def test_gated_gemm_rejects_bad_input(rng):
+    e, n, kdim, m, k = 4, 16, 128, 3, 2
+    w = SCHEMES["w4a16-int4-g128"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.bfloat16)
+    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, m, k, e, pad=0.0), None, e, 4)
+    common = dict(rows=m * k, gather_div=k, block_m=4, out_dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs a gated activation"):
+        gemm_ops.gemm_indexed_gated(x, None, w, None, r, activation="gelu_no_mul", **common)
+    w_odd = SCHEMES["bf16"].quantize(rng.standard_normal((e, n + 1, kdim)).astype(np.float32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        gemm_ops.gemm_indexed_gated(x, None, w_odd, None, r, activation="silu", **common)
+

@@ -185,6 +185,47 @@ def gemm_indexed_act(
     return c
 
 
+def gemm_indexed_gated(
+    a: jax.Array,
+    a_scale: jax.Array | None,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    routing: IndexedRouting,
+    *,
+    rows: int,
+    gather_div: int,
+    block_m: int,
+    out_dtype: Any,
+    activation: str,
+    limit: float | None = None,
+    act_group_k: int = 0,
+) -> jax.Array:
+    """``activation(gemm_indexed(a, ...), activation, limit)`` for a gated activation in one call:
+    [rows, N / 2], the same values as the two calls, bit for bit. On the GPU the decode kernel's
+    epilogue activates each row's output pairs (gate and up rows in one CTA) where it takes the
+    call; elsewhere the GEMM's rows go through the activation kernel."""
+    spec, lim = get_activation(activation, limit)
+    if not spec.gated:
+        raise ValueError(f"gemm_indexed_gated needs a gated activation, got {activation!r}")
+    if w.n % 2:
+        raise ValueError(f"a gated activation needs an even number of weight rows, got N = {w.n}")
+    y, _ = _call_indexed(
+        "gemm_indexed_gated",
+        (jax.ShapeDtypeStruct((rows, w.n // 2), out_dtype), jax.ShapeDtypeStruct((rows, w.n), out_dtype)),
+        a,
+        a_scale,
+        w,
+        bias,
+        routing,
+        act_group_k,
+        gather_div=gather_div,
+        block_m=block_m,
+        activation=int(spec.code),
+        limit=lim,
+    )
+    return y
+
+
 # The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at
 # most 256 SMs, then per-expert shapes, pointers and strides) is bounded by
 #     GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * E   bytes,

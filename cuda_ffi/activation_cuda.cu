@@ -295,7 +295,7 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
 }  // namespace
 
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
-  if (qin.kind == ActQuant::kNone)  // gemm_indexed_act: the activated 16-bit rows
+  if (qin.kind == ActQuant::kNone)  // the activated 16-bit rows (gemm_indexed_gated)
     return launch_activation(call, stream, qin.x, qin.q, qin.xt, qin.act, qin.limit, qin.rows, qin.N1, qin.K);
   if (qin.xt == ElemType::kF16)
     return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, qin.N1,

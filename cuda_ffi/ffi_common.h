@@ -415,25 +415,6 @@ auto bind_gemm_indexed_quant() {
       .template Attr<float>("limit");
 }
 
-// gemm_indexed_act(x, (unused), w..., sorted_ids, block_expert_ids, num_tokens_post_padded)
-//   -> c, y: gemm_indexed of activation(x, activation, limit) with 16-bit activations (the
-//   activated rows also land in y, except where a kernel activates them as it loads: then y's
-//   contents are unspecified)
-template <typename PlatformCtx>
-auto bind_gemm_indexed_act() {
-  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
-      .template Arg<AnyBuffer>()  // sorted_ids
-      .template Arg<AnyBuffer>()  // block_expert_ids
-      .template Arg<AnyBuffer>()  // num_tokens_post_padded
-      .template Ret<AnyBuffer>()  // c [M * top_k, N]
-      .template Ret<AnyBuffer>()  // y [M, I]: activation(x), x's dtype
-      HJ_GEMM_ATTRS
-      .template Attr<int64_t>("gather_div")
-      .template Attr<int64_t>("block_m")
-      .template Attr<int64_t>("activation")
-      .template Attr<float>("limit");
-}
-
 // gemm_indexed_gated(a, a_scale, w..., sorted_ids, block_expert_ids, num_tokens_post_padded)
 //   -> y, c: activation(gemm_indexed(a), activation, limit) for a gated activation, y [M * top_k,
 //   N / 2] (c [M * top_k, N] holds the GEMM's rows where a kernel needs them; otherwise its
@@ -774,11 +755,10 @@ inline Error parse_gemm_indexed_gated(const std::string& call, const AnyBuffer& 
 
 // gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized
 // into q / q_scale [M, K] (act_group_k: the group, 0 per row), then the indexed GEMM of those
-// codes over the routing's layout. gemm_indexed_act: x activated into the 16-bit rows y [M, K]
-// (kind kNone), then the indexed GEMM of y.
+// codes over the routing's layout.
 struct IndexedQuantCall {
-  GemmProblem p;      // the GEMM over q / q_scale (gemm_indexed_act: over y)
-  ActQuant kind;      // q's codes (kNone: y, 16-bit)
+  GemmProblem p;      // the GEMM over q / q_scale
+  ActQuant kind;      // q's codes
   ActivationShape s;  // x's rows (R) and columns (N1), K (I)
   IndexedLayout l;
 };
@@ -799,22 +779,6 @@ inline Error parse_gemm_indexed_quant(const std::string& call, const AnyBuffer& 
   HJ_RETURN_IF_ERROR(check_quant_results(call, x, q, q_scale, s.R, s.I, at.act_group_k, &out->kind));
   HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, q, q_scale, qweight, scale, zero, scale2, bias, sorted_ids,
                                         block_expert_ids, ntpp, at, gather_div, block_m, c, &out->p, &out->l));
-  return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
-}
-
-inline Error parse_gemm_indexed_act(const std::string& call, const AnyBuffer& x, const AnyBuffer& qweight,
-                                    const AnyBuffer& scale, const AnyBuffer& zero, const AnyBuffer& scale2,
-                                    const AnyBuffer& bias, const AnyBuffer& sorted_ids,
-                                    const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp, const GemmAttrs& at,
-                                    int64_t activation, int64_t gather_div, int64_t block_m, const AnyBuffer& c,
-                                    const AnyBuffer& y, IndexedQuantCall* out) {
-  HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &out->s));
-  HJ_RETURN_IF_ERROR(check_activation_output(call, x, y, out->s));
-  if (at.act_group_k != 0) return invalid(call, "act_group_k must be 0: the activated rows stay 16-bit");
-  out->kind = ActQuant::kNone;
-  // y's rows are the GEMM's activations (16-bit: no scale operand is read; x stands in for it).
-  HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, y, x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids,
-                                        ntpp, at, gather_div, block_m, c, &out->p, &out->l));
   return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
 }
 

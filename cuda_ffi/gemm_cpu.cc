@@ -97,22 +97,6 @@ Error GemmIndexedQuantCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, 
   return Error::Success();
 }
 
-Error GemmIndexedActCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
-                        AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
-                        AnyBuffer ntpp, Result<AnyBuffer> c, Result<AnyBuffer> y, int64_t weight_type,
-                        int64_t group_n, int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
-                        int64_t act_group_k, int64_t gather_div, int64_t block_m, int64_t activation, float limit) {
-  IndexedQuantCall g;
-  HJ_RETURN_IF_ERROR(parse_gemm_indexed_act(
-      "gemm_indexed_act", x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
-      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
-      block_m, *c, *y, &g));
-  activate_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), g.s.R, g.s.N1, g.s.I,
-                    static_cast<int>(activation), limit, y->untyped_data());
-  gemm_indexed_runs(g.p, g.l);
-  return Error::Success();
-}
-
 Error GemmIndexedGatedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                           AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
                           AnyBuffer ntpp, Result<AnyBuffer> y, Result<AnyBuffer> c, int64_t weight_type,
@@ -211,7 +195,6 @@ Error GemmBatchedIntoCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyB
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCpu, hj::GemmIndexedCpu, hj::bind_gemm_indexed<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCpu, hj::GemmIndexedQuantCpu,
                               hj::bind_gemm_indexed_quant<void>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedActCpu, hj::GemmIndexedActCpu, hj::bind_gemm_indexed_act<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCpu, hj::GemmIndexedGatedCpu,
                               hj::bind_gemm_indexed_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());

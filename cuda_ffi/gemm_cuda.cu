@@ -69,9 +69,8 @@ Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
   return Error::Success();
 }
 
-// qin: the call's activations are the quantization (or, kNone, the activation) of qin->x, to run
-// before the GEMM's kernel reads L.p.a (the decode path runs it itself, or has its kernel quantize
-// or activate while it loads).
+// qin: the call's activations are the quantization of qin->x, to run before the GEMM's kernel
+// reads L.p.a (the decode path runs it itself, or has its kernel quantize while it loads).
 // gate / gated (gemm_indexed_gated): the decode kernel may write the activated pairs itself
 // (*gated = true); otherwise c is written and the caller activates it.
 Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream,
@@ -97,7 +96,7 @@ Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_til
 }
 
 // The indexed GEMM of a parsed problem over a checked layout (gemm_indexed, gemm_indexed_quant,
-// gemm_indexed_act).
+// gemm_indexed_gated).
 Error launch_indexed(const std::string& call, const GemmProblem& p, const IndexedLayout& l, int64_t gather_div,
                      int64_t block_m, cudaStream_t stream, const InputQuant* qin = nullptr,
                      const GatedOut* gate = nullptr, bool* gated = nullptr) {
@@ -148,23 +147,6 @@ Error GemmIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*
   const InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), g.kind, g.s.R, g.s.N1, g.s.I,
                        act_group_k, q->untyped_data(), static_cast<float*>(q_scale->untyped_data()),
                        static_cast<int>(activation), limit};
-  return launch_indexed(call, g.p, g.l, gather_div, block_m, stream, &qin);
-}
-
-Error GemmIndexedActCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, AnyBuffer scale,
-                         AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids,
-                         AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> c, Result<AnyBuffer> y,
-                         int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero, int64_t has_scale2,
-                         int64_t has_bias, int64_t act_group_k, int64_t gather_div, int64_t block_m,
-                         int64_t activation, float limit) {
-  const std::string call = "gemm_indexed_act";
-  IndexedQuantCall g;
-  HJ_RETURN_IF_ERROR(parse_gemm_indexed_act(
-      call, x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
-      gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
-      block_m, *c, *y, &g));
-  const InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), ActQuant::kNone, g.s.R, g.s.N1, g.s.I,
-                       0, y->untyped_data(), nullptr, static_cast<int>(activation), limit};
   return launch_indexed(call, g.p, g.l, gather_div, block_m, stream, &qin);
 }
 
@@ -271,8 +253,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCuda, hj::GemmIndexedCuda, hj::bind_g
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCuda, hj::GemmIndexedQuantCuda,
                               hj::bind_gemm_indexed_quant<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedActCuda, hj::GemmIndexedActCuda,
-                              hj::bind_gemm_indexed_act<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCuda, hj::GemmIndexedGatedCuda,
                               hj::bind_gemm_indexed_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),

@@ -16,7 +16,6 @@ namespace {
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_ring_launches{0};  // of which the fp8 ring kernel
 std::atomic<uint64_t> g_quant_launches{0};  // of which the decode kernel quantizing its token rows
-std::atomic<uint64_t> g_act_launches{0};    // of which the decode kernel activating its token rows
 std::atomic<uint64_t> g_gated_launches{0};  // of which the decode kernel activating its output pairs
 
 // sm_90: shared memory per SM, and what the system keeps per resident CTA.
@@ -359,32 +358,6 @@ bool quantizes_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin)
   return static_cast<int64_t>(kStages) * kWStageBytes + xq_region_bytes(D) <= kMaxDynamicSmem;
 }
 
-// Whether the decode kernel can activate qin's rows (gemm_indexed_act: kNone) as it loads them:
-// a raw or packed 16-bit variant of x's type (Kern::kActivates), silu or swigluoai (the kernel
-// holds those two), 16-byte aligned rows of K % 8 == 0 columns, every item's rows held whole, and
-// little activation work per CTA: every CTA of an item activates the item's rows again (one per N
-// slice), before its first MMA. So at most kMaxActUnits 8-column units in an item's expected rows
-// and at most kMaxActWaves waves of CTAs. Measured (benchmarks/NOTES.md v11t, layer, in one
-// process): qwen3 int4 M = 1 / 2 1.04-1.07x / 1.02-1.05x (768 columns per row), deepseek M = 1 even
-// (2048), while gpt-oss M = 1-2 (2880 columns) lost 3-7% and qwen3 M = 16 (ten waves) 5-7%.
-constexpr int64_t kMaxActUnits = kThreads;
-constexpr int64_t kMaxActWaves = 2;
-
-bool activates_whole(const GemmLaunch& L, const Plan& pl, const InputQuant& qin, int sms) {
-  const DecodeLaunch& D = pl.D;
-  if (L.mode != RowMode::kIndexed || qin.kind != ActQuant::kNone) return false;
-  if (!activates_rows(pl.dq)) return false;
-  const ActKind want = qin.xt == ElemType::kF16 ? ActKind::kF16 : ActKind::kBF16;
-  if (pl.ak != want || (qin.xt != ElemType::kBF16 && qin.xt != ElemType::kF16)) return false;
-  if (qin.act != static_cast<int>(Activation::kSilu) && qin.act != static_cast<int>(Activation::kSwigluOai))
-    return false;
-  if (qin.K != D.K || D.K % 8 != 0 || qin.N1 % 8 != 0 || !aligned_to(qin.x, 16)) return false;
-  if (D.whole_rows <= 0 || D.whole_rows < D.max_rows) return false;
-  if (expected_item_rows(L, D) * (D.K / 8) > kMaxActUnits) return false;
-  const int64_t ctas = int64_t{D.est_items} * pl.grid.x;
-  return ctas <= kMaxActWaves * std::max<int64_t>(1, ctas_per_sm(static_cast<int64_t>(pl.smem))) * sms;
-}
-
 }  // namespace
 
 Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t stream, bool* launched,
@@ -416,25 +389,19 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   // gemm_indexed_quant: the decode kernel quantizes the token rows itself where it takes the call
   // and every item holds its rows whole; elsewhere (the ring among them) the quantization kernel
   // runs first.
-  // gemm_indexed_act (kNone): likewise the activation, in the 16-bit variants.
-  const bool act_only = qin && qin->kind == ActQuant::kNone;
-  const bool fuse = !ring && qin &&
-                    (act_only ? env_flag("HUMMING_JAX_DECODE_ACT", true) && activates_whole(L, pl, *qin, sms)
-                              : env_flag("HUMMING_JAX_DECODE_QUANT", true) && quantizes_whole(L, pl, *qin));
+  const bool fuse = !ring && qin && env_flag("HUMMING_JAX_DECODE_QUANT", true) && quantizes_whole(L, pl, *qin);
   if (fuse) {
     pl.D.xq = qin->x;
     pl.D.xq_f16 = qin->xt == ElemType::kF16 ? 1 : 0;
     pl.D.xq_act = qin->act;
     pl.D.xq_limit = qin->limit;
     pl.D.xq_cols = qin->N1;
-    if (!act_only) {  // the quantized rows' scales beside them
-      pl.D.act_region_bytes = xq_region_bytes(pl.D);
-      pl.smem = decode_smem_bytes(pl.D);
-    }
+    pl.D.act_region_bytes = xq_region_bytes(pl.D);  // the quantized rows' scales beside them
+    pl.smem = decode_smem_bytes(pl.D);
   }
   if (qin && !fuse) HJ_RETURN_IF_ERROR(launch_quantize(call, stream, *qin));
   // The ring kernel keeps its own epilogue; the raw and packed variants hold the gated one.
-  const bool gating = gate_here && !ring && activates_rows(pl.dq);
+  const bool gating = gate_here && !ring && has_gated_epilogue(pl.dq);
   if (gating) {
     pl.D.gate_act = gate->act;
     pl.D.gate_oai = oai ? 1 : 0;
@@ -468,7 +435,7 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   g_launches.fetch_add(1, std::memory_order_relaxed);
   if (gating && !on_ring) g_gated_launches.fetch_add(1, std::memory_order_relaxed);
   if (on_ring) g_ring_launches.fetch_add(1, std::memory_order_relaxed);
-  if (fuse) (act_only ? g_act_launches : g_quant_launches).fetch_add(1, std::memory_order_relaxed);
+  if (fuse) g_quant_launches.fetch_add(1, std::memory_order_relaxed);
   const bool log = env_flag("HUMMING_JAX_DECODE_LOG", false);
   if (log && on_ring)
     std::fprintf(stderr, "humming_jax decode: %s N=%d K=%d -> fp8 ring kernel (units of %d rows, items=%d rows<=%d)\n",
@@ -476,10 +443,10 @@ Error launch_decode(const std::string& call, const GemmLaunch& L, cudaStream_t s
   else if (log)
     std::fprintf(stderr,
                  "humming_jax decode: %s N=%d K=%d -> decode kernel (weights %d, %s, wk=%d bn=%d grid=%ux%u "
-                 "items=%d rows<=%d whole<=%d smem=%zu%s)\n",
+                 "items=%d rows<=%d whole<=%d smem=%zu%s%s)\n",
                  mode_name(L.mode), D.N, D.K, static_cast<int>(L.p.w.type), deq_name(pl.dq), D.wk, D.bn, pl.grid.x,
                  pl.grid.y, D.items, D.max_rows, D.whole_rows, pl.smem,
-                 fuse ? (act_only ? ", activates its rows" : ", quantizes its rows") : "");
+                 fuse ? ", quantizes its rows" : "", gating ? ", writes activated pairs" : "");
   return launch_status(call, on_ring ? "fp8_ring_kernel" : "decode_kernel");
 }
 
@@ -500,12 +467,6 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeRingLaunches(
 // (gemm_indexed_quant).
 extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeQuantLaunches() {
   return hj::decode::g_quant_launches.load(std::memory_order_relaxed);
-}
-
-// Of those, decode kernel launches that activated their 16-bit token rows themselves
-// (gemm_indexed_act).
-extern "C" __attribute__((visibility("default"))) uint64_t HjDecodeActLaunches() {
-  return hj::decode::g_act_launches.load(std::memory_order_relaxed);
 }
 
 // Of those, decode kernel launches that wrote activated output pairs (gemm_indexed_gated).

@@ -72,11 +72,10 @@ enum class ActKind : int { kBF16 = 0, kF16 = 1, kFp8 = 2, kI8 = 3 };
 // 16-bit activations. kCodes: 8-bit activations.
 enum class Deq : int { kRaw = 0, kPackedU4 = 1, kPackedFp4 = 2, kF32 = 3, kCodes = 4 };
 
-// The variants that activate their 16-bit token rows themselves (gemm_indexed_act,
-// DecodeLaunch::xq) and their output pairs in the epilogue (gemm_indexed_gated,
-// DecodeLaunch::gate_act): raw and packed. The float32-scale ones would spill (28-44 bytes). The
-// host takes the fused paths only for these (activates_whole, launch_decode).
-constexpr bool activates_rows(Deq dq) { return dq == Deq::kRaw || dq == Deq::kPackedU4 || dq == Deq::kPackedFp4; }
+// The variants that hold the gated epilogue (gemm_indexed_gated, DecodeLaunch::gate_act: the
+// activated output pairs written by the kernel): raw and packed. The float32-scale ones would
+// spill (28-44 bytes). The host pairs the rows only for these (launch_decode).
+constexpr bool has_gated_epilogue(Deq dq) { return dq == Deq::kRaw || dq == Deq::kPackedU4 || dq == Deq::kPackedFp4; }
 
 // n / d for n < 2^31 by a multiply and a shift (the divisor is a run-time constant of the launch).
 struct FastDiv {
@@ -120,9 +119,7 @@ struct DecodeLaunch {
   // gemm_indexed_quant on the fp8 x fp8 variant: non-null, the 16-bit rows [a_rows, xq_cols] that
   // each item activates (xq_act >= 0: silu, gated, with xq_limit) and quantizes into its
   // whole-K activation rows (fp8 e4m3, 128-k groups), the scales beside them in shared memory
-  // (xq_scales_offset); the codes and scales of g.p.a are not read. gemm_indexed_act on a 16-bit
-  // variant: the rows each item activates (xq_act: silu or swigluoai) into its whole-K rows, in
-  // the activation type; g.p.a is not read.
+  // (xq_scales_offset); the codes and scales of g.p.a are not read.
   const void* xq;
   int xq_f16;  // xq holds float16 (else bfloat16)
   int xq_act;
@@ -404,7 +401,7 @@ struct Kern {
   // more registers. Packed e2m1 only: 1-2.5% faster there at 1-16 tokens, while packed uint4 was
   // -1% to +1.2% (benchmarks/NOTES.md, v11j) and the other variants would spill.
   static constexpr bool kRowOffsets = DQ == Deq::kPackedFp4;
-  static constexpr bool kActivates = activates_rows(DQ);
+  static constexpr bool kGatedEpilogue = has_gated_epilogue(DQ);
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
@@ -553,38 +550,6 @@ struct Kern {
         *reinterpret_cast<uint2*>(abase + r * D.whole_row_bytes + grp * 128 + j16 * 8) = codes;
         if (j16 == 0) sxs[r * ngroups + grp] = sc;
       }
-    }
-  }
-
-  // Whole mode with 16-bit rows to activate (DecodeLaunch::xq on a 16-bit variant): the item's rows
-  // of xq, activated (silu or swigluoai: the two the host lets through) and rounded to the
-  // activation type as the activation kernel writes them, into the whole-K rows (zeros past K),
-  // by the whole CTA, one 8-column unit per thread and pass (the host allows one pass for an
-  // item's expected rows). Not inlined: one copy per variant. Its registers are the caller's to
-  // keep free around the call: two units per thread and pass (their loads issued together) made
-  // the packed variants spill 12-80 bytes (benchmarks/NOTES.md v11t).
-  static __device__ __noinline__ void activate_whole_activations(const DecodeLaunch& D, int nvalid, uint8_t* smem,
-                                                                 const int32_t* s_arow, int tid) {
-    constexpr ElemType XT = kF16 ? ElemType::kF16 : ElemType::kBF16;
-    const int units_per_row = D.nc * kKw / 8;
-    uint8_t* abase = smem + kStages * kWStageBytes;
-    const uint16_t* x = static_cast<const uint16_t*>(D.xq);
-    const bool oai = D.xq_act == static_cast<int>(Activation::kSwigluOai);
-    for (int u = tid; u < nvalid * units_per_row; u += kThreads) {
-      const int r = static_cast<int>(D.div_upr.div(static_cast<uint32_t>(u))), cu = u - r * units_per_row;
-      const int i0 = cu * 8;
-      uint32_t o[4] = {0u, 0u, 0u, 0u};
-      if (i0 < D.K) {
-        const uint16_t* xr = x + static_cast<int64_t>(s_arow[r]) * D.xq_cols;
-        float v[8];
-        if (oai)
-          act8<XT>(static_cast<int>(Activation::kSwigluOai), D.xq_limit, xr, D.K, i0, v);
-        else
-          act8<XT>(static_cast<int>(Activation::kSilu), D.xq_limit, xr, D.K, i0, v);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) o[q] = pack_half2<XT>(v[2 * q], v[2 * q + 1]);
-      }
-      sts128(smem_addr(abase + r * D.whole_row_bytes + cu * 16), o[0], o[1], o[2], o[3]);
     }
   }
 
@@ -970,17 +935,12 @@ struct Kern {
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
       if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid, whole);
-      if (st == 0 && whole && !kFusedQ && !(kActivates && D.xq)) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
+      if (st == 0 && whole && !kFusedQ) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
-    // 16-bit token rows (D.xq): quantized (or, 16-bit variants, activated) while the first stages'
-    // weights are in flight (every item is whole, host-checked); the first iteration's barrier
-    // publishes them.
-    if constexpr (kFusedQ) {
-      quantize_whole_activations(D, item.nvalid, smem, s_arow, tid);
-    } else if constexpr (kActivates) {
-      if (D.xq) activate_whole_activations(D, item.nvalid, smem, s_arow, tid);
-    }
+    // 16-bit token rows (D.xq): quantized while the first stages' weights are in flight (every
+    // item is whole, host-checked); the first iteration's barrier publishes them.
+    if constexpr (kFusedQ) quantize_whole_activations(D, item.nvalid, smem, s_arow, tid);
 
     for (int it = 0; it < D.iters; ++it) {
       cp_async_wait<kStages - 2>();
@@ -1073,7 +1033,7 @@ struct Kern {
           if (tok < item.nvalid) red[(wk * kMaxRows + tok) * bnp + nl] = acc[i][j][r];
         }
     __syncthreads();
-    if constexpr (kActivates) {  // the raw and packed variants (the float32-scale ones would spill)
+    if constexpr (kGatedEpilogue) {  // the raw and packed variants (the float32-scale ones would spill)
       if (D.gate_act >= 0) {
         store_gated(D, item.expert, item.nvalid, red, s_crow, tid);
         return;
@@ -1387,7 +1347,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
       // The CTA's rows from blockIdx.x * x_rows; warps from up_warp on skip up_skip rows (the gated
       // halves pairing: gate rows i, then up rows I + i; otherwise x_rows = bn and no warp skips).
       int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
-      if constexpr (K_::kActivates)  // only the variants with the gated epilogue
+      if constexpr (K_::kGatedEpilogue)
         n_lane = static_cast<int64_t>(blockIdx.x) * D.x_rows + wn * kRowsPerWarp + (lane >> 2) +
                  (wn >= D.up_warp ? D.up_skip : 0);
       const int64_t n_first = K_::kRowOffsets ? min(n_lane, static_cast<int64_t>(D.N) - 1) : n_lane;

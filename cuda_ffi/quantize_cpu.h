@@ -1,6 +1,6 @@
 // The dynamic quantization (and the activation) of 16-bit activation rows on the CPU, shared by the
 // quantize / activation handlers (activation_cpu.cc) and the GEMMs that prepare their own input
-// (gemm_indexed_quant, gemm_indexed_act; gemm_cpu.cc).
+// (gemm_indexed_quant, gemm_indexed_gated; gemm_cpu.cc).
 #pragma once
 
 #include <cstdint>
@@ -16,7 +16,7 @@ void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_
                        int64_t group_k, ActQuant kind, void* q, float* scale);
 
 // x [R, N1] (xt: bf16 or f16), each row activated (act: an Activation code) into K columns and
-// rounded to xt -> y [R, K] (the activation handler; gemm_indexed_act's input).
+// rounded to xt -> y [R, K] (the activation handler; gemm_indexed_gated's output).
 void activate_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_t K, int act, float limit, void* y);
 
 }  // namespace hj

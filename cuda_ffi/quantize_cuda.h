@@ -17,7 +17,8 @@ namespace hj {
 // 16-bit rows x [rows, N1], each activated (act: an Activation code; -1: none, N1 = K) into K
 // columns and quantized into q [rows, K] (fp8 e4m3 or int8 codes) and scale [rows, groups] (scale =
 // absmax / qmax per group of group_k columns, 0: per row): the quantize or activation_quant call.
-// kind kNone (gemm_indexed_act): only activated, rounded to x's type into q [rows, K]; no scale.
+// kind kNone: only activated, rounded to x's type into q [rows, K]; no scale (gemm_indexed_gated
+// where its GEMM wrote the rows).
 struct InputQuant {
   const void* x;
   ElemType xt;  // kBF16 or kF16

@@ -12,7 +12,6 @@ XLA_FFI_Error* HjRoutingGroupedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjPermuteRowsCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedQuantCpu(XLA_FFI_CallFrame*);
-XLA_FFI_Error* HjGemmIndexedActCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedGatedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmBatchedCpu(XLA_FFI_CallFrame*);
@@ -38,7 +37,6 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["permute_rows"] = encapsulate(HjPermuteRowsCpu);
     d["gemm_indexed"] = encapsulate(HjGemmIndexedCpu);
     d["gemm_indexed_quant"] = encapsulate(HjGemmIndexedQuantCpu);
-    d["gemm_indexed_act"] = encapsulate(HjGemmIndexedActCpu);
     d["gemm_indexed_gated"] = encapsulate(HjGemmIndexedGatedCpu);
     d["gemm_grouped"] = encapsulate(HjGemmGroupedCpu);
     d["gemm_batched"] = encapsulate(HjGemmBatchedCpu);

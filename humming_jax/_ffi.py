@@ -26,7 +26,6 @@ CALLS = (
     "permute_rows",
     "gemm_indexed",
     "gemm_indexed_quant",
-    "gemm_indexed_act",
     "gemm_indexed_gated",
     "gemm_grouped",
     "gemm_batched",

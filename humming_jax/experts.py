@@ -236,18 +236,15 @@ def fused_input_quant() -> bool:
     return os.environ.get("HUMMING_JAX_FUSED_INPUT_QUANT", "1") != "0"
 
 
-def fused_activation() -> str:
-    """Where the indexed class with 16-bit activations applies the activation: ``"gemm2"`` (the
-    default: GEMM2's call, ``gemm_indexed_act``), ``"gemm1"`` (GEMM1's call for a gated activation,
-    ``gemm_indexed_gated``) or ``"none"`` (a call of its own). Read at trace time from
-    ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``, ``gemm1``; for A/B timing); the values are the same
-    every way."""
-    v = os.environ.get("HUMMING_JAX_FUSED_ACTIVATION", "gemm2")
-    if v == "0":
-        return "none"
-    if v not in ("1", "gemm2", "gemm1"):
-        raise ValueError(f"HUMMING_JAX_FUSED_ACTIVATION={v!r}: expected 0, 1, gemm1 or gemm2")
-    return "gemm1" if v == "gemm1" else "gemm2"
+def fused_activation() -> bool:
+    """Whether the indexed class with 16-bit activations and a gated activation applies it in
+    GEMM1's call (``gemm_indexed_gated``: the GEMM writes act(gate, up); the default) rather than
+    in a call of its own. Read at trace time from ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``: the
+    separate call, for A/B timing; ``1``: the default); the values are the same either way."""
+    v = os.environ.get("HUMMING_JAX_FUSED_ACTIVATION", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"HUMMING_JAX_FUSED_ACTIVATION={v!r}: expected 0 or 1")
+    return v == "1"
 
 
 class IndexedExperts(_StandardExperts):
@@ -271,26 +268,18 @@ class IndexedExperts(_StandardExperts):
                 gu, weights.w2, weights.b2, routing, gather_div=1, activation=activation, limit=limit, **fq
             )
             return d, routing.src_rows
+        if quant is None and get_activation(activation, limit)[0].gated and fused_activation():
+            # GEMM1 writes the activated rows (its epilogue pairs gate and up).
+            a2 = gemm_ops.gemm_indexed_gated(
+                x, None, weights.w13, weights.b13, routing, gather_div=k, activation=activation, limit=limit, **common
+            )
+            d = gemm_ops.gemm_indexed(a2, None, weights.w2, weights.b2, routing, gather_div=1, **common)
+            return d, routing.src_rows
         a, a_scale, agk = x, None, 0
         if quant is not None:
             a, a_scale = act_ops.quantize(x, quant[0], quant[1])
             agk = quant[1]
-        mode = fused_activation() if quant is None else "none"
-        if mode == "gemm1" and get_activation(activation, limit)[0].gated:
-            # GEMM1 writes the activated rows (its epilogue pairs gate and up).
-            a2 = gemm_ops.gemm_indexed_gated(
-                a, a_scale, weights.w13, weights.b13, routing, gather_div=k, activation=activation, limit=limit,
-                act_group_k=agk, **common
-            )
-            d = gemm_ops.gemm_indexed(a2, None, weights.w2, weights.b2, routing, gather_div=1, **common)
-            return d, routing.src_rows
         gu = gemm_ops.gemm_indexed(a, a_scale, weights.w13, weights.b13, routing, gather_div=k, act_group_k=agk, **common)
-        if mode != "none":
-            # GEMM2 applies the activation to GEMM1's rows in its call.
-            d = gemm_ops.gemm_indexed_act(
-                gu, weights.w2, weights.b2, routing, gather_div=1, activation=activation, limit=limit, **common
-            )
-            return d, routing.src_rows
         a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)
         d = gemm_ops.gemm_indexed(a2, a2_scale, weights.w2, weights.b2, routing, gather_div=1, act_group_k=agk2, **common)
         return d, routing.src_rows

@@ -181,37 +181,6 @@ def indexed_quant_forms(
     return fn, (x, ids, w, bias)
 
 
-def indexed_act_forms(
-    rng: np.random.Generator,
-    w: PackedWeight,
-    bias: jax.Array | None,
-    dtype: Any,
-    ids: jax.Array,
-    activation: str,
-    limit: float | None = None,
-) -> tuple[Callable[..., dict], tuple]:
-    """One random GEMM2 of the indexed class both ways: ``gemm_indexed_act`` (the activation inside
-    the GEMM's call) and ``activation`` + ``gemm_indexed``, one row per id, twice the weights'
-    columns for a gated activation. Rows span three decades of magnitude, with signed zeros and a
-    row of zeros. Returns (fn, operands); fn(x, ids, w, bias) gives a dict: fused, two, src."""
-    e, kdim = w.num_experts, w.k
-    m, k = ids.shape
-    spec, _ = get_activation(activation, limit)
-    rows, cols = m * k, 2 * kdim if spec.gated else kdim
-    x = _token_rows(rng, rows, cols, 1.5, dtype)
-    bm = indexed_block_m(m * k, e)
-
-    def fn(x, ids, w, bias):
-        r = routing_ops.routing_indexed(ids, None, e, bm)
-        common = dict(rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype)
-        fused = gemm_ops.gemm_indexed_act(x, w, bias, r, activation=activation, limit=limit, **common)
-        a = act_ops.activation(x, activation, limit)
-        two = gemm_ops.gemm_indexed(a, None, w, bias, r, **common)
-        return dict(fused=fused, two=two, src=r.src_rows)
-
-    return fn, (x, ids, w, bias)
-
-
 def distinct_topk_ids(rng: np.random.Generator, m: int, k: int, e: int, pad: float = 0.15) -> jax.Array:
     """topk ids [m, k]: k distinct experts of e per token, a fraction ``pad`` of them -1."""
     ids = np.argsort(rng.random((m, e)), axis=1)[:, :k]
@@ -219,7 +188,7 @@ def distinct_topk_ids(rng: np.random.Generator, m: int, k: int, e: int, pad: flo
 
 
 def assert_fused_equals_two(got: dict) -> None:
-    """indexed_quant_forms' / indexed_act_forms' results: the rows the routing fills are finite, not
+    """indexed_quant_forms' / indexed_gated_forms' results: the rows the routing fills are finite, not
     all zero, and the same bits both ways."""
     valid = np.asarray(got["src"]).reshape(-1) >= 0
     fused = np.asarray(jnp.asarray(got["fused"]).astype(jnp.float32))[valid]

@@ -33,7 +33,6 @@ from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
 from humming_jax.testing import (  # noqa: E402
     gemm_forms,
-    indexed_act_forms,
     indexed_gated_forms,
     indexed_quant_forms,
     random_packed_weight,
@@ -106,22 +105,9 @@ def main() -> None:
         fn, operands = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids, act)
         run(fn, *operands)
 
-    # GEMM2 with 16-bit activations applying the activation in its call (gemm_indexed_act): in the
-    # decode kernel's whole-row load where it takes the call, else after the activation kernel.
-    for scheme, (m, topk, e, n, k), act in itertools.product(("w4a16-int4-g128", "w4a16-mxfp4", "bf16"),
-                                                           ((1, 8, 16, 264, 256), (16, 4, 8, 200, 384)),
-                                                           ("silu", "swigluoai")):
-        dtype = SCHEMES[scheme].default_dtype
-        w = SCHEMES[scheme].quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, dtype)
-        bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
-        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
-        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
-        fn, operands = indexed_act_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
-        run(fn, *operands)
-
     # GEMM1 writing the gated activation of its rows (gemm_indexed_gated): the decode kernel's
     # epilogue pairs gate and up rows (interleaved for swigluoai, halves otherwise).
-    for scheme, (m, topk, e, n, k), act in itertools.product(("w4a16-int4-g128", "bf16"),
+    for scheme, (m, topk, e, n, k), act in itertools.product(("w4a16-int4-g128", "w4a16-mxfp4", "bf16"),
                                                            ((1, 8, 16, 528, 256), (16, 4, 8, 200, 256)),
                                                            ("silu", "swigluoai")):
         dtype = SCHEMES[scheme].default_dtype
@@ -185,7 +171,7 @@ def main() -> None:
         run(lambda o, x, w, c: BatchedExperts().apply(o, x, w, None, None, expert_num_tokens=c), jnp.zeros_like(xb), xb,
             wts, cnt)
     counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches",
-                                                              "HjDecodeQuantLaunches", "HjDecodeActLaunches", "HjDecodeGatedLaunches",
+                                                              "HjDecodeQuantLaunches", "HjDecodeGatedLaunches",
                                                               "HjPrefillLaunches")
               for fn in [hj._ffi.launch_counter(name)]}
     print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")

@@ -28,7 +28,6 @@ from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
 from humming_jax.testing import (
     gemm_forms,
-    indexed_act_forms,
     indexed_gated_forms,
     indexed_quant_forms,
     random_packed_weight,
@@ -807,56 +806,6 @@ def test_decode_fused_input_quant_matches_two_calls_and_cpu(rng, monkeypatch, ac
         assert (fused.count, ring.count) == (expect, 0), f"{what}: {fused.count} fused, {ring.count} ring launches"
     elif variant.startswith("ring"):
         assert (fused.count, ring.count) == (0, 2), f"{what}: {fused.count} fused, {ring.count} ring launches"
-
-
-_DECODE_ACT_LAUNCHES = _ffi.launch_counter("HjDecodeActLaunches") if GPU is not None else None
-
-# gemm_indexed_act (GEMM2 with 16-bit activations and the activation in its call): the decode kernel
-# activates the rows itself (silu, swigluoai; raw and packed variants; every item's rows whole, at
-# most 256 8-column units in an item's expected rows, at most two waves of CTAs); "decode-unfused"
-# (HUMMING_JAX_DECODE_ACT=0) and "staged" (rows not held whole) run the activation kernel first.
-_FUSED_ACT_ENV = {"default": {}, "decode-unfused": {"HUMMING_JAX_DECODE_ACT": "0"},
-                  "wk2": {"HUMMING_JAX_DECODE_WK": "2"}, "staged": {"HUMMING_JAX_DECODE_WHOLE_ACT": "0"}}
-
-
-# Both fused activations on every 16-bit variant family (raw bf16 / f16, packed int4, packed e2m1,
-# float32 scales); the other kernel choices with int4 and bf16; an activation the kernel leaves to
-# the activation kernel.
-_FUSED_ACT_CASES = (
-    [(sc, "silu", None, "default") for sc in ("bf16", "fp16", "w4a16-int4-g128", "w4a16-mxfp4", "w8a16-fp8-block128")]
-    + [(sc, "swigluoai", 7.0, "default") for sc in ("bf16", "w4a16-int4-g128", "w4a16-mxfp4")]
-    + [("w4a16-int4-g128", "silu", None, v) for v in sorted(_FUSED_ACT_ENV) if v != "default"]
-    + [("bf16", "silu", None, "decode-unfused"), ("w4a16-int4-g128", "gelu", None, "default")]
-)
-
-
-@requires_decode
-@pytest.mark.parametrize("scheme,activation,limit,variant", _FUSED_ACT_CASES)
-@pytest.mark.parametrize("m,k,e,n,kdim,fits", [(1, 8, 128, 264, 256, True), (16, 4, 8, 200, 256, True),
-                                               (3, 2, 6, 96, 1024, True), (16, 8, 8, 72, 1024, False),
-                                               (16, 8, 128, 2048, 256, False)])
-def test_decode_fused_activation_matches_two_calls_and_cpu(rng, monkeypatch, variant, scheme, activation, limit, m,
-                                                           k, e, n, kdim, fits):
-    """The fused call gives the separate calls' bits on the GPU and agrees with the CPU; the counter
-    shows where the decode kernel activated the rows (``fits``: at most 256 8-column units in an
-    item's expected rows and two waves of CTAs, else the activation kernel first; float32-scale
-    variants, as w8a16-fp8-block128's, never)."""
-    for name, value in _FUSED_ACT_ENV[variant].items():
-        monkeypatch.setenv(name, value)
-    dtype = SCHEMES[scheme].default_dtype
-    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
-    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    ids, _ = _decode_routing(rng, m, k, e)
-    ids = jnp.where(ids >= e, -1, ids)  # no expert map on this call: remote ids become padding
-    fn, ops = indexed_act_forms(rng, w, bias, dtype, ids, activation, limit)
-    what = f"{scheme} {variant} {activation} M={m} E={e} N={n} K={kdim}"
-    with _LaunchCount(_DECODE_ACT_LAUNCHES) as fused, _LaunchCount(_DECODE_LAUNCHES) as launches:
-        got = _run_on(GPU, fn, ops)
-    _check_fused_forms(got, fn, ops, dtype, what)
-    assert launches.count == 2, f"{what}: {launches.count} decode launches"
-    expect = int(fits and activation != "gelu" and variant not in ("decode-unfused", "staged")
-                 and scheme != "w8a16-fp8-block128")
-    assert fused.count == expect, f"{what}: {fused.count} launches activated their rows"
 
 
 _DECODE_GATED_LAUNCHES = _ffi.launch_counter("HjDecodeGatedLaunches") if GPU is not None else None

@@ -1,7 +1,7 @@
-"""gemm_indexed_act: GEMM2 of the indexed class with 16-bit activations, the activation applied
-inside the GEMM's call, gives the bits of the separate activation + gemm_indexed calls, on whichever
-backend runs the tests (the GPU decode kernel's fused load has its own tests in
-test_cuda_fast_paths.py)."""
+"""gemm_indexed_gated: GEMM1 of the indexed class with 16-bit activations, the gated activation
+applied to the GEMM's rows inside its call, gives the bits of the separate gemm_indexed +
+activation calls, on whichever backend runs the tests (the GPU decode kernel's gated epilogue has
+its own tests in test_cuda_fast_paths.py)."""
 
 from __future__ import annotations
 
@@ -20,68 +20,45 @@ from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES
 
 
-@pytest.mark.parametrize("scheme,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16),
-                                          ("w4a16-int4-g128", jnp.bfloat16), ("w4a16-int4-g128", jnp.float16),
-                                          ("w4a16-mxfp4", jnp.bfloat16), ("w8a16-fp8-block128", jnp.bfloat16),
-                                          ("w8a16-fp8-block128", jnp.float16)])
-@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu", None),
-                                              ("gelu_no_mul", None)])
-def test_fused_activation_equals_two_calls(rng, scheme, dtype, activation, limit):
-    e, n, kdim, m, k = 6, 40, 256, 9, 3
-    w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
-    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    ids = testing.distinct_topk_ids(rng, m, k, e)
-    fn, ops = testing.indexed_act_forms(rng, w, bias, dtype, ids, activation, limit)
-    testing.assert_fused_equals_two(jax.jit(fn)(*ops))
-
-
 @pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "bf16"])
-def test_indexed_layer_same_bits_with_or_without_the_fused_activation(rng, monkeypatch, scheme):
-    layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, scheme=scheme, pad_frac=0.2)
-    fused = run_standard(IndexedExperts, layer)
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_indexed_layer_same_bits_with_or_without_the_fused_activation(rng, monkeypatch, scheme, activation):
+    layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, pad_frac=0.2)
+    kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
+    fused = run_standard(IndexedExperts, layer, **kw)
     monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
-    two = run_standard(IndexedExperts, layer)
+    two = run_standard(IndexedExperts, layer, **kw)
     a, b = np.asarray(fused.astype(jnp.float32)), np.asarray(two.astype(jnp.float32))
     assert np.all(np.isfinite(a)) and np.any(a != 0.0)
     np.testing.assert_array_equal(a, b)
 
 
-def test_indexed_layer_calls_the_fused_activation(rng, monkeypatch):
-    """The layer's graph: GEMM2 takes the activation (no activation call) unless switched off."""
+def _layer_calls(layer, activation: str) -> set[str]:
+    """The custom calls of the indexed layer's graph (traced anew: it reads the switch)."""
+
+    def f(out, x, w, tw, ids):
+        return IndexedExperts().apply(out, x, w, tw, ids, activation=activation)
+
+    args = (layer.x, layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
+    return set(re.findall(r"humming_jax\.\w+", jax.jit(f).lower(*args).as_text()))
+
+
+def test_indexed_layer_calls_the_gated_gemm(rng, monkeypatch):
+    """The layer's graph: GEMM1 takes a gated activation (no activation call) unless switched off;
+    an activation that is not gated keeps its own call."""
     layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w4a16-int4-g128")
-
-    def calls() -> set[str]:
-        def f(out, x, w, tw, ids):  # a new function: traced again, reading the switch
-            return IndexedExperts().apply(out, x, w, tw, ids)
-
-        args = (layer.x, layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
-        return set(re.findall(r"humming_jax\.\w+", jax.jit(f).lower(*args).as_text()))
-
-    assert {"humming_jax.gemm_indexed_act", "humming_jax.gemm_indexed"} <= calls()
-    assert "humming_jax.activation" not in calls()
+    calls = _layer_calls(layer, "silu")
+    assert {"humming_jax.gemm_indexed_gated", "humming_jax.gemm_indexed"} <= calls
+    assert "humming_jax.activation" not in calls
+    plain = random_layer(rng, m=5, e=4, h=128, i=128, k=2, activation="gelu_no_mul", scheme="w4a16-int4-g128")
+    assert {"humming_jax.gemm_indexed_gated"} & _layer_calls(plain, "gelu_no_mul") == set()
+    assert "humming_jax.activation" in _layer_calls(plain, "gelu_no_mul")
     monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
-    assert "humming_jax.gemm_indexed_act" not in calls() and "humming_jax.activation" in calls()
-
-
-def test_fused_activation_rejects_bad_input(rng):
-    e, n, kdim, m, k = 4, 16, 128, 3, 2
-    w = SCHEMES["w4a16-int4-g128"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.bfloat16)
-    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, m, k, e, pad=0.0), None, e, 4)
-    common = dict(rows=m * k, gather_div=1, block_m=4, out_dtype=jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((m * k, 2 * kdim)), jnp.bfloat16)
-    with pytest.raises(Exception, match="x must be"):
-        jax.block_until_ready(gemm_ops.gemm_indexed_act(x.astype(jnp.float32), w, None, r, activation="silu", **common))
-    with pytest.raises(ValueError, match="unknown activation"):
-        gemm_ops.gemm_indexed_act(x, w, None, r, activation="tanh", **common)
-    with pytest.raises(ValueError, match="even number of columns"):
-        gemm_ops.gemm_indexed_act(x[:, :-1], w, None, r, activation="silu", **common)
-    # x's columns must be twice the weights' K for a gated activation
-    with pytest.raises(Exception, match="K"):
-        jax.block_until_ready(gemm_ops.gemm_indexed_act(x[:, :kdim], w, None, r, activation="silu", **common))
-    # the rows' dtype is the GEMM's activation type: 16-bit weights of another dtype are refused
-    wf = SCHEMES["fp16"].quantize(rng.standard_normal((e, n, kdim)).astype(np.float32), jnp.float16)
-    with pytest.raises(Exception, match="16-bit weights must have the activations' dtype"):
-        jax.block_until_ready(gemm_ops.gemm_indexed_act(x, wf, None, r, activation="silu", **common))
+    calls = _layer_calls(layer, "silu")
+    assert "humming_jax.gemm_indexed_gated" not in calls and "humming_jax.activation" in calls
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "gemm2")
+    with pytest.raises(ValueError, match="HUMMING_JAX_FUSED_ACTIVATION"):
+        _layer_calls(layer, "silu")
 
 
 @pytest.mark.parametrize("scheme,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16),
@@ -96,20 +73,6 @@ def test_gated_gemm_equals_two_calls(rng, scheme, dtype, activation, limit):
     fn, ops = testing.indexed_gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
                                           limit)
     testing.assert_fused_equals_two(jax.jit(fn)(*ops))
-
-
-def test_indexed_layer_same_bits_with_the_activation_in_gemm1(rng, monkeypatch):
-    layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, scheme="w4a16-int4-g128", pad_frac=0.2)
-    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "gemm1")
-    gated = run_standard(IndexedExperts, layer)
-    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
-    two = run_standard(IndexedExperts, layer)
-    a, b = np.asarray(gated.astype(jnp.float32)), np.asarray(two.astype(jnp.float32))
-    assert np.all(np.isfinite(a)) and np.any(a != 0.0)
-    np.testing.assert_array_equal(a, b)
-    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "gemm3")
-    with pytest.raises(ValueError, match="HUMMING_JAX_FUSED_ACTIVATION"):
-        run_standard(IndexedExperts, layer)
 
 
 def test_gated_gemm_rejects_bad_input(rng):

@@ -149,42 +149,6 @@ def gemm_indexed_quant(
     return c
 
 
-def gemm_indexed_act(
-    x: jax.Array,
-    w: PackedWeight,
-    bias: jax.Array | None,
-    routing: IndexedRouting,
-    *,
-    rows: int,
-    gather_div: int,
-    block_m: int,
-    out_dtype: Any,
-    activation: str,
-    limit: float | None = None,
-) -> jax.Array:
-    """``gemm_indexed`` of ``activation(x, activation, limit)`` (16-bit activations) in one call:
-    the same values as the two calls, bit for bit. On the GPU the decode kernel activates the rows
-    (silu or swigluoai) as it loads them where every work item holds its rows whole and the
-    launch is small (benchmarks/NOTES.md v11t); elsewhere the call runs the activation kernel
-    first."""
-    act_code, lim, cols = _activated_columns(x, activation, limit)
-    c, _ = _call_indexed(
-        "gemm_indexed_act",
-        (jax.ShapeDtypeStruct((rows, w.n), out_dtype), jax.ShapeDtypeStruct((x.shape[0], cols), x.dtype)),
-        x,
-        None,
-        w,
-        bias,
-        routing,
-        0,
-        gather_div=gather_div,
-        block_m=block_m,
-        activation=act_code,
-        limit=lim,
-    )
-    return c
-
-
 def gemm_indexed_gated(
     a: jax.Array,
     a_scale: jax.Array | None,

@@ -862,7 +862,8 @@ struct Kern {
   // gemm_indexed_gated's epilogue (DecodeLaunch::gate_act): each output column's gate and up sums
   // added over the wk groups in the fixed order and biased as the plain epilogue does, rounded to
   // c's type as it would store them, then activated and rounded again: the values of the plain GEMM
-  // followed by the activation kernel, bit for bit. Inlined: as a call it made the packed int4
+  // with the same K split followed by the activation kernel, bit for bit (the halves pairing takes
+  // at most 4 K groups, so where a plain call's plan takes 8 the sums' order differs). Inlined: as a call it made the packed int4
   // variants with zero points spill (12 / 28 bytes); inlined they hold none.
   static __device__ __forceinline__ void store_gated(const DecodeLaunch& D, int expert, int nvalid, const float* red,
                                                   const int32_t* s_crow, int tid) {

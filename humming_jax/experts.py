@@ -240,7 +240,8 @@ def fused_activation() -> bool:
     """Whether the indexed class with 16-bit activations and a gated activation applies it in
     GEMM1's call (``gemm_indexed_gated``: the GEMM writes act(gate, up); the default) rather than
     in a call of its own. Read at trace time from ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``: the
-    separate call, for A/B timing; ``1``: the default); the values are the same either way."""
+    separate call, for A/B timing; ``1``: the default). The values are the same either way, except
+    on a GPU for the halves layout where GEMM1's K split differs (see ``gemm_indexed_gated``)."""
     v = os.environ.get("HUMMING_JAX_FUSED_ACTIVATION", "1")
     if v not in ("0", "1"):
         raise ValueError(f"HUMMING_JAX_FUSED_ACTIVATION={v!r}: expected 0 or 1")

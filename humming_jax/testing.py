@@ -187,14 +187,21 @@ def distinct_topk_ids(rng: np.random.Generator, m: int, k: int, e: int, pad: flo
     return jnp.asarray(np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32))
 
 
-def assert_fused_equals_two(got: dict) -> None:
+def assert_fused_equals_two(got: dict, *, exact: bool = True) -> None:
     """indexed_quant_forms' / indexed_gated_forms' results: the rows the routing fills are finite, not
-    all zero, and the same bits both ways."""
+    all zero, and the same bits both ways. ``exact=False`` where the two ways may sum the GEMM's K
+    split in another order (gemm_indexed_gated's halves pairing on the GPU takes at most 4 K groups,
+    a separate gemm_indexed up to 8): then equal within a few units in the last place of the
+    16-bit result, relative to the largest value."""
     valid = np.asarray(got["src"]).reshape(-1) >= 0
     fused = np.asarray(jnp.asarray(got["fused"]).astype(jnp.float32))[valid]
     two = np.asarray(jnp.asarray(got["two"]).astype(jnp.float32))[valid]
     assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
-    np.testing.assert_array_equal(fused, two)
+    if exact:
+        np.testing.assert_array_equal(fused, two)
+        return
+    eps = float(jnp.finfo(jnp.asarray(got["two"]).dtype).eps)
+    np.testing.assert_allclose(fused, two, rtol=8 * eps, atol=8 * eps * float(np.abs(two).max()))
 
 
 def indexed_gated_forms(

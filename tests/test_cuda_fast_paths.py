@@ -752,13 +752,17 @@ def test_decode_fp8_variants_match_cpu(rng, monkeypatch, variant, scheme, m, k, 
         assert ring.count == (5 if ringed else 0), f"{variant}: {ring.count} launches of the ring kernel"
 
 
-def _check_fused_forms(got, fn, ops, dtype, what):
+def _check_fused_forms(got, fn, ops, dtype, what, exact=True):
     """GPU results of a fused-vs-separate form (humming_jax.testing.indexed_*_forms): the rows the
-    routing fills finite and not all zero, the fused call's bits the separate calls', both against
-    the CPU's run of the same forms."""
+    routing fills finite and not all zero, the fused call's bits the separate calls' (``exact``;
+    otherwise equal up to the K split's summation order), both against the CPU's run of the same
+    forms."""
     valid = got["src"].reshape(-1) >= 0
     assert np.all(np.isfinite(got["fused"][valid])) and np.any(got["fused"][valid] != 0.0), what
-    np.testing.assert_array_equal(got["fused"][valid], got["two"][valid], err_msg=f"{what}: fused != two calls")
+    if exact:
+        np.testing.assert_array_equal(got["fused"][valid], got["two"][valid], err_msg=f"{what}: fused != two calls")
+    else:
+        _assert_close(got["fused"][valid], got["two"][valid], dtype, f"{what}: fused against the two calls")
     want = _run_on(CPU, fn, ops)
     np.testing.assert_array_equal(got["src"], want["src"])
     _assert_close(got["fused"][valid], want["fused"][valid], dtype, f"{what} against the CPU")
@@ -843,7 +847,10 @@ def test_decode_gated_epilogue_matches_two_calls_and_cpu(rng, monkeypatch, schem
     what = f"{scheme} {variant} {activation} M={m} E={e} N={n} K={kdim}"
     with _LaunchCount(_DECODE_GATED_LAUNCHES) as gated, _LaunchCount(_DECODE_LAUNCHES) as launches:
         got = _run_on(GPU, fn, ops)
-    _check_fused_forms(got, fn, ops, dtype, what)
+    # The halves layout's pairing takes at most 4 K groups where the separate GEMM may take 8 (the
+    # default's plan, or forced): the two then sum K in another order.
+    exact = activation == "swigluoai" or variant in ("unfused", "wk1", "wk4")
+    _check_fused_forms(got, fn, ops, dtype, what, exact)
     assert launches.count == 2, f"{what}: {launches.count} decode launches"
     expect = int(variant != "unfused" and scheme != "w8a16-fp8-block128")  # raw and packed variants only
     assert gated.count == expect, f"{what}: {gated.count} gated launches"

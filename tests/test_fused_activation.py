@@ -20,9 +20,17 @@ from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES
 
 
+def _exact(activation: str) -> bool:
+    """Whether the fused and separate forms must agree bit for bit: on the CPU always; on a GPU for
+    swigluoai (interleaved gate / up rows), while the halves layout's pairing takes at most 4 K
+    groups where a separate GEMM may take 8, summing K in another order."""
+    return jax.default_backend() == "cpu" or activation == "swigluoai"
+
+
 @pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "bf16"])
 @pytest.mark.parametrize("activation", ["silu", "swigluoai"])
 def test_indexed_layer_same_bits_with_or_without_the_fused_activation(rng, monkeypatch, scheme, activation):
+    """The same bits either way, except on a GPU for the halves layout (see _exact)."""
     layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, pad_frac=0.2)
     kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
     fused = run_standard(IndexedExperts, layer, **kw)
@@ -30,7 +38,11 @@ def test_indexed_layer_same_bits_with_or_without_the_fused_activation(rng, monke
     two = run_standard(IndexedExperts, layer, **kw)
     a, b = np.asarray(fused.astype(jnp.float32)), np.asarray(two.astype(jnp.float32))
     assert np.all(np.isfinite(a)) and np.any(a != 0.0)
-    np.testing.assert_array_equal(a, b)
+    if _exact(activation):
+        np.testing.assert_array_equal(a, b)
+    else:  # GEMM1's rows may differ in the last place; GEMM2 sums them into out
+        eps = float(jnp.finfo(fused.dtype).eps)
+        np.testing.assert_allclose(a, b, rtol=0, atol=16 * eps * float(np.abs(b).max()))
 
 
 def _layer_calls(layer, activation: str) -> set[str]:
@@ -66,13 +78,14 @@ def test_indexed_layer_calls_the_gated_gemm(rng, monkeypatch):
                                           ("w8a16-fp8-block128", jnp.float16)])
 @pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu", None)])
 def test_gated_gemm_equals_two_calls(rng, scheme, dtype, activation, limit):
-    """gemm_indexed_gated (GEMM1 writing the activated rows) gives gemm_indexed + activation's bits."""
+    """gemm_indexed_gated (GEMM1 writing the activated rows) gives gemm_indexed + activation's bits
+    (on a GPU, for the halves layout, within the last places: see _exact)."""
     e, n, kdim, m, k = 6, 2 * 40, 256, 9, 3
     w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
     fn, ops = testing.indexed_gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
                                           limit)
-    testing.assert_fused_equals_two(jax.jit(fn)(*ops))
+    testing.assert_fused_equals_two(jax.jit(fn)(*ops), exact=_exact(activation))
 
 
 def test_gated_gemm_rejects_bad_input(rng):

@@ -165,9 +165,12 @@ def gemm_indexed_gated(
     act_group_k: int = 0,
 ) -> jax.Array:
     """``activation(gemm_indexed(a, ...), activation, limit)`` for a gated activation in one call:
-    [rows, N / 2], the same values as the two calls, bit for bit. On the GPU the decode kernel's
-    epilogue activates each row's output pairs (gate and up rows in one CTA) where it takes the
-    call; elsewhere the GEMM's rows go through the activation kernel."""
+    [rows, N / 2]. On the GPU the decode kernel's epilogue activates each row's output pairs (gate
+    and up rows in one CTA) where it takes the call; elsewhere the GEMM's rows go through the
+    activation kernel. The values are the two calls', bit for bit, with one exception: for the
+    halves layout (every gated activation but swigluoai) the decode kernel splits K over at most 4
+    warp groups, where a separate ``gemm_indexed`` may take 8, and then sums K in another order
+    (results within the last places of the 16-bit type)."""
     spec, lim = get_activation(activation, limit)
     if not spec.gated:
         raise ValueError(f"gemm_indexed_gated needs a gated activation, got {activation!r}")

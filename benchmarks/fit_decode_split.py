@@ -35,8 +35,9 @@ def expected_distinct(e: int, draws: int) -> int:
     return math.ceil(e * (1 - (1 - 1 / e) ** draws)) if e > 0 and draws > 0 else 0
 
 
-def candidates(fmt: str, n: int, k: int, e: int, rows: int) -> list[Candidate]:
-    """The splits plan() may take for an indexed call of ``rows`` routed rows (block_m = 16)."""
+def candidates(fmt: str, n: int, k: int, e: int, rows: int, max_wk: int = WARPS) -> list[Candidate]:
+    """The splits plan() may take for an indexed call of ``rows`` routed rows (block_m = 16);
+    ``max_wk`` 4 for a GEMM1 that pairs gate and up halves in its epilogue (gemm_indexed_gated)."""
     q8 = fmt.startswith("w8a8")
     four = "int4" in fmt or "mxfp4" in fmt
     raw = fmt == "bf16"
@@ -49,7 +50,7 @@ def candidates(fmt: str, n: int, k: int, e: int, rows: int) -> list[Candidate]:
     act = min(max_rows, -(-rows // est)) * k * asz
     out = []
     for wk in (1, 2, 4, 8):
-        if wk > 1 and wk > nc:
+        if wk > max_wk or (wk > 1 and wk > nc):
             break
         base = wk * kw * asz
         smem = STAGES * (W_STAGE_BYTES + max_rows * (base + ((want - base % 128) + 128) % 128))
@@ -86,14 +87,19 @@ def is_gemm_launch(name: str) -> bool:
 
 
 def per_gemm_times(sequence: list[list]) -> tuple[list[float], list[float]]:
-    """GEMM1 and GEMM2 µs of one call's launches: a GEMM launch followed by another kernel
-    (the activation) is a GEMM1, the rest GEMM2s (input sets may interleave)."""
+    """GEMM1 and GEMM2 µs of one call's launches. A GEMM launch followed by another kernel (the
+    activation) is a GEMM1, the rest GEMM2s (input sets may interleave); where no kernel runs
+    between them (GEMM1 writing the activation itself, GEMMs quantizing their own input), the
+    GEMM launches alternate GEMM1, GEMM2 set by set."""
     dec = [is_gemm_launch(name) for name, _ in sequence]
     g1, g2 = [], []
     for i, (is_dec, (_, us)) in enumerate(zip(dec, sequence)):
         if is_dec:
             (g1 if i + 1 < len(dec) and not dec[i + 1] else g2).append(us)
-    return g1, g2
+    if g1 and len(g1) == len(g2):
+        return g1, g2
+    gemm_us = [us for is_dec, (_, us) in zip(dec, sequence) if is_dec]
+    return gemm_us[0::2], gemm_us[1::2]
 
 
 def gemms(data: dict) -> list[dict]:
@@ -107,8 +113,13 @@ def gemms(data: dict) -> list[dict]:
             if len(g1) != row["sets"] or len(g2) != row["sets"]:
                 raise SystemExit(f"{row['shape']} {row['format']} M={row['M']}: launches do not split into GEMMs")
             per_value[v] = (sum(g1) / len(g1), sum(g2) / len(g2))
+        # A GEMM1 with 16-bit activations and no kernel after it wrote the (silu) activation of its
+        # halves itself (gemm_indexed_gated): at most 4 K groups (a forced 8 falls back to the plan).
+        seq = row["launches_us"]["unset"]
+        follows = [is_gemm_launch(a[0]) and not is_gemm_launch(b[0]) for a, b in zip(seq, seq[1:])]
+        gated = not row["format"].startswith("w8a8") and not any(follows)
         for g, (n, k) in enumerate(((2 * i, h), (h, i))):
-            cs = candidates(row["format"], n, k, e, row["M"] * topk)
+            cs = candidates(row["format"], n, k, e, row["M"] * topk, 4 if gated and g == 0 else WARPS)
             t = {c.wk: per_value[str(c.wk)][g] for c in cs}
             out.append({"name": f"{row['shape']} {row['format']} M={row['M']} GEMM{g + 1}", "cands": cs, "us": t})
     return out

@@ -233,7 +233,8 @@ Error launch_quant(const std::string& call, cudaStream_t stream, const void* x, 
   return launch_status(call, "quant_kernel");
 }
 
-// The activation of x [R, N1] into y [R, I] (16-bit rows of type xt).
+}  // namespace
+
 Error launch_activation(const std::string& call, cudaStream_t stream, const void* x, void* y, ElemType xt, int act,
                         float limit, int64_t R, int64_t N1, int64_t I) {
   if (R * I == 0) return Error::Success();
@@ -258,6 +259,8 @@ Error launch_activation(const std::string& call, cudaStream_t stream, const void
     activation_kernel<ElemType::kBF16><<<grid, threads, 0, stream>>>(x, y, act, limit, R, N1, I);
   return launch_status(call, "activation_kernel");
 }
+
+namespace {
 
 Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
   const std::string call = "activation";
@@ -295,8 +298,6 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
 }  // namespace
 
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
-  if (qin.kind == ActQuant::kNone)  // the activated 16-bit rows (gemm_indexed_gated)
-    return launch_activation(call, stream, qin.x, qin.q, qin.xt, qin.act, qin.limit, qin.rows, qin.N1, qin.K);
   if (qin.xt == ElemType::kF16)
     return launch_quant<ElemType::kF16>(call, stream, qin.x, qin.q, qin.scale, qin.act, qin.limit, qin.rows, qin.N1,
                                         qin.K, qin.group_k, qin.kind);

@@ -72,10 +72,9 @@ Error prepare(const std::string& call, const GemmProblem& p, GemmLaunch* L) {
 // qin: the call's activations are the quantization of qin->x, to run before the GEMM's kernel
 // reads L.p.a (the decode path runs it itself, or has its kernel quantize while it loads).
 // gate / gated (gemm_indexed_gated): the decode kernel may write the activated pairs itself
-// (*gated = true); otherwise c is written and the caller activates it.
+// (*gated = true; the caller starts it false); otherwise c is written and the caller activates it.
 Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_tiles, cudaStream_t stream,
              const InputQuant* qin = nullptr, const GatedOut* gate = nullptr, bool* gated = nullptr) {
-  if (gated) *gated = false;
   const int64_t n_tiles = (L.p.N + gemm::kBN - 1) / gemm::kBN;
   if (m_tiles == 0 || n_tiles == 0) return Error::Success();
 #if defined(HUMMING_JAX_FAST_PATHS)
@@ -168,9 +167,8 @@ Error GemmIndexedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, 
   HJ_RETURN_IF_ERROR(launch_indexed(call, p, l, gather_div, block_m, stream, nullptr, &gate, &gated));
   if (gated) return Error::Success();
   // The GEMM wrote c: the activation kernel makes y from it.
-  return launch_quantize(call, stream,
-                         InputQuant{c->untyped_data(), p.c_type, ActQuant::kNone, dim(*c, 0), p.N, p.N / 2, 0,
-                                    y->untyped_data(), nullptr, static_cast<int>(activation), limit});
+  return launch_activation(call, stream, c->untyped_data(), y->untyped_data(), p.c_type, static_cast<int>(activation),
+                           limit, dim(*c, 0), p.N, p.N / 2);
 }
 
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,

@@ -17,8 +17,6 @@ namespace hj {
 // 16-bit rows x [rows, N1], each activated (act: an Activation code; -1: none, N1 = K) into K
 // columns and quantized into q [rows, K] (fp8 e4m3 or int8 codes) and scale [rows, groups] (scale =
 // absmax / qmax per group of group_k columns, 0: per row): the quantize or activation_quant call.
-// kind kNone: only activated, rounded to x's type into q [rows, K]; no scale (gemm_indexed_gated
-// where its GEMM wrote the rows).
 struct InputQuant {
   const void* x;
   ElemType xt;  // kBF16 or kF16
@@ -38,9 +36,13 @@ struct GatedOut {
   void* y;
 };
 
-// Launches the quantization (kNone: the activation) of qin (moe_contract.h's values, bit for bit as
-// on the CPU).
+// Launches the quantization of qin (moe_contract.h's values, bit for bit as on the CPU).
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin);
+
+// Launches the activation of the 16-bit rows x [R, N1] of type xt (act: an Activation code) into
+// y [R, I], rounded to xt: the activation call, and gemm_indexed_gated where its GEMM wrote the rows.
+Error launch_activation(const std::string& call, cudaStream_t stream, const void* x, void* y, ElemType xt, int act,
+                        float limit, int64_t R, int64_t N1, int64_t I);
 
 #if defined(__CUDACC__)
 // One 16-bit value (the low half of h) of type XT (kBF16 or kF16) as float32.

@@ -30,6 +30,8 @@
 //    (expert, first row, rows), so a CTA starts with one load, not a search.
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -42,6 +44,7 @@
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
 #include "grouped_rows.cuh"
+#include "mbarrier_sm90.cuh"
 
 namespace hj {
 namespace prefill {
@@ -237,10 +240,11 @@ struct Mma<128> {
 // ---------------------------------------------------------------------------------------------
 // Setup: the tile list, and the rows past the last expert as zeros. Block 0 writes the list (a
 // block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
-// share of the zero tail. An expert's rows are split into ceil(rows / kMaxTokens) near-equal tiles.
+// share of the zero tail. An expert's rows are split into ceil(rows / max_tokens) near-equal tiles
+// (kMaxTokens, or kWsMaxTokens for the warp-specialized form).
 // ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* offsets, int E, int R, int4* tiles,
-                                                                  int* count, __nv_bfloat16* c, int64_t N) {
+__global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* offsets, int E, int R, int max_tokens,
+                                                                  int4* tiles, int* count, __nv_bfloat16* c, int64_t N) {
   extern __shared__ int32_t s_hi[];  // [E], block 0 only
   int last;
   if (blockIdx.x == 0) {
@@ -254,7 +258,7 @@ __global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* of
       const int e = e0 + tid;
       const int lo = e < E ? (e > 0 ? s_hi[e - 1] : 0) : 0;
       const int rows = e < E ? s_hi[e] - lo : 0;
-      const int n = (rows + kMaxTokens - 1) / kMaxTokens;
+      const int n = (rows + max_tokens - 1) / max_tokens;
       int v = n;  // inclusive scan within the warp, then the warps before
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -538,6 +542,314 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The warp-specialized form of the same tile (HUMMING_JAX_PREFILL_RS4_WS=1; A/B until measured).
+// benchmarks/NOTES.md, v11v: beside humming-kernels the mainloop above does the same conversion and
+// MMA work but issues ~30% more instructions (every thread's copy and scale-load addressing, the
+// ring's slot arithmetic) and waits at a CTA barrier per stage. Here a producer warp fills the
+// ring: per stage one TMA box of the 128 rows' codes (32 bytes each, no swizzle: the layout the
+// consumers read above), the tile's activation rows in boxes of 16 rows x 64 k (128-byte swizzle,
+// the B operand's layout above; rows past R zero, rows past the tile's never stored) and the 128
+// rows' 16-bit scale words (loaded one stage ahead, stored to shared memory), all completing one
+// mbarrier. The two consumer warpgroups wait on it, convert and issue the MMAs exactly as above
+// (same k order and rounding: the same bits), and release the stage on a second mbarrier once
+// its MMAs are done. The producer is a ninth warp; two CTAs per SM leave 96 registers a thread
+// (18 warps, five on some scheduler), so tiles hold at most kWsMaxTokens token rows (a producer
+// warpgroup giving its registers to the consumers by setmaxnreg would leave ptxas 80).
+// ---------------------------------------------------------------------------------------------
+constexpr int kWsThreads = 288;           // two consumer warpgroups (warps 0-7) + a producer warp
+constexpr int kWsScaleBytes = kRows * 2;  // one stage's scale words: 16 bits per weight row
+constexpr int kWsSmem = kStages * (kActBytes + kCodeBytes + kWsScaleBytes) + 1024;
+constexpr int kWsMaxTokens = 64;
+constexpr int kWsScaleAhead = 4;         // stages between a scale word's load and its store
+static_assert(kMaxTokens * kOutStride <= kStages * kActBytes, "the epilogue's staging lies in the activation ring");
+
+struct Ws4Params {
+  CUtensorMap codes;  // [E][N][K / 2] bytes; box (32, kRows, 1), no swizzle
+  CUtensorMap act;    // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16, 1), 128-byte swizzle
+  Params4 P;
+};
+
+__device__ __forceinline__ void sts16(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(a), "h"(static_cast<unsigned short>(v)) : "memory");
+}
+__device__ __forceinline__ uint32_t lds16(uint32_t a) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a));
+  return v;
+}
+
+// The full barrier's arrivals: the TMA's expect-tx arrive and the producer lanes' scale words, and
+// with codes by cp.async (CP) each lane's arrive on the completion of its copies.
+template <bool CP>
+constexpr int ws_full_arrivals() { return CP ? 1 + 32 + 32 : 1 + 32; }
+
+// The producer warp: stages 0 .. KT - 1 of the tile into ring slots kt % kStages. The codes by one
+// TMA box of 32-byte rows, or (CP) by the warp's cp.async, 16 bytes a lane and request with the
+// L2 256-byte prefetch of gemm4_kernel's copies (a CTA's TMA rate follows its request size:
+// benchmarks/NOTES.md, v11p, v11v).
+template <Codes C, bool CP>
+__device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, int bn, int n0, uint32_t base,
+                                           uint32_t bar_full, uint32_t bar_empty) {
+  const Params4& P = W.P;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int N = P.N, K = P.K, KT = K / kBK;
+  const uint32_t act0 = base, code0 = base + kStages * kActBytes, sc0 = code0 + kStages * kCodeBytes;
+  // The scale words of this lane's rows lane + 32 q: uint4, the group's bf16 scale; e2m1, the two
+  // 32-k groups' e8m0 bytes of the stage (an even index: K / 32 is even).
+  const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
+  const uint8_t* srow[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int64_t n = min(n0 + lane + 32 * q, N - 1);
+    srow[q] = static_cast<const uint8_t*>(P.scale) + (static_cast<int64_t>(e) * N + n) * scols * (C == Codes::kE2M1 ? 1 : 2);
+  }
+  auto scale_words = [&](int kt, uint32_t (&dst)[4]) {
+    const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
+    const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(srow[q] + off));
+  };
+  // The scale words travel kWsScaleAhead stages ahead in a ring of register slots whose index is a
+  // compile-time constant (the stage loop unrolled over the ring): a slot is stored, then reloaded
+  // for stage kt + kWsScaleAhead. A loop-carried copy (next -> cur) would make each stage wait for
+  // the load it had just issued (the register move waits on its scoreboard).
+  uint32_t ring[kWsScaleAhead][4];
+#pragma unroll
+  for (int j = 0; j < kWsScaleAhead; ++j) scale_words(j, ring[j]);
+  // CP: this lane's 16-byte chunks c = lane + 32 i of a stage's codes: row c / 2, half c % 2 (rows
+  // past N zero-filled, reading nothing).
+  constexpr int kCodeChunks = kCodeBytes / 16 / 32;
+  const uint8_t* csrc = static_cast<const uint8_t*>(P.w) + static_cast<int64_t>(e) * N * (K / 2) + (lane & 1) * 16;
+  const int crow0 = lane >> 1;
+  const uint32_t tx = static_cast<uint32_t>((CP ? 0 : kCodeBytes) + bn * kBK * 2);
+  auto stage = [&](int kt, auto slot) {
+    constexpr int J = decltype(slot)::value;
+    const int s = kt % kStages;
+    const uint32_t ph = static_cast<uint32_t>(kt / kStages) & 1u;
+    mbar_wait(bar_empty + 8 * s, ph ^ 1u);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(bar_full + 8 * s, tx);
+      if constexpr (!CP) tma_load_3d(code0 + s * kCodeBytes, &W.codes, kt * (kBK / 2), n0, e, bar_full + 8 * s);
+      for (int j = 0; j < bn / 16; ++j)
+        tma_load_3d(act0 + s * kActBytes + j * 16 * kBK * 2, &W.act, kt * kBK, row0 + 16 * j, 0, bar_full + 8 * s);
+    }
+    if constexpr (CP) {
+#pragma unroll
+      for (int i = 0; i < kCodeChunks; ++i) {
+        const int row = crow0 + 16 * i;
+        const bool ok = n0 + row < N;
+        cp_async_weights(code0 + s * kCodeBytes + row * (kBK / 2) + (lane & 1) * 16,
+                         ok ? csrc + static_cast<int64_t>(n0 + row) * (K / 2) + kt * (kBK / 2) : csrc, ok ? 16 : 0);
+      }
+      cp_async_mbar_arrive(bar_full + 8 * s);  // once this lane's copies have landed
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) sts16(sc0 + s * kWsScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
+    mbar_arrive(bar_full + 8 * s);  // release: the scale words above are visible to the waiters
+    scale_words(kt + kWsScaleAhead, ring[J]);
+  };
+  static_assert(kWsScaleAhead == 4, "the stage loop below unrolls over four slots");
+  for (int kt = 0; kt < KT; kt += kWsScaleAhead) {
+    stage(kt, std::integral_constant<int, 0>{});
+    if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
+    if (kt + 2 < KT) stage(kt + 2, std::integral_constant<int, 2>{});
+    if (kt + 3 < KT) stage(kt + 3, std::integral_constant<int, 3>{});
+  }
+}
+
+// A consumer warpgroup's part of the tile (wg 0 / 1: weight rows [64 wg, + 64)), on the mainloop of
+// width BN, then (both groups) the epilogue.
+template <Codes C, int BN>
+__device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, int rows, int n0, uint8_t* smem,
+                                           uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
+  constexpr int kAcc = BN / 2;
+  constexpr bool kDouble = BN <= 96;
+  const int N = P.N, K = P.K, KT = K / kBK;
+  const uint32_t act0 = base, code0 = base + kStages * kActBytes, sc0 = code0 + kStages * kCodeBytes;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  auto my_row = [&](int h) { return wg * 64 + warp * 16 + g + 8 * h; };
+
+  float acc[kAcc];
+  uint32_t afrag[kDouble ? 2 : 1][4][4];
+
+  auto step = [&](int kt, auto buf) {
+    constexpr int A = kDouble ? decltype(buf)::value : 0;
+    const int s = kt % kStages;
+    mbar_wait(bar_full + 8 * s, static_cast<uint32_t>(kt / kStages) & 1u);
+    bool two = false;
+    uint32_t f2[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t words[2];
+      decode::lds64(words, code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
+      const uint32_t sw = lds16(sc0 + s * kWsScaleBytes + my_row(h) * 2);
+      uint32_t f1;
+      if constexpr (C == Codes::kE2M1) {
+        bool tw;
+        fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1, f2[h], tw);
+        two |= tw;
+      } else {
+        f1 = sw * 0x10001u;
+        f2[h] = 0x3f803f80u;  // 1.0
+        two |= sw == 0u;
+      }
+#pragma unroll
+      for (int wd = 0; wd < 2; ++wd) {
+        afrag[A][2 * wd + 0][0 + h] = pair<C, 0>(words[wd], f1);
+        afrag[A][2 * wd + 0][2 + h] = pair<C, 1>(words[wd], f1);
+        afrag[A][2 * wd + 1][0 + h] = pair<C, 2>(words[wd], f1);
+        afrag[A][2 * wd + 1][2 + h] = pair<C, 3>(words[wd], f1);
+      }
+    }
+    // As above: the second e8m0 factor only on a vote, and the branch keeps the conversion before
+    // wgmma.fence (uint4: on a zero scale, factor 1.0).
+    if (__any_sync(0xffffffffu, two)) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) afrag[A][j][r] = hmul2<false>(afrag[A][j][r], f2[r & 1]);
+    }
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);
+    wgmma_fence();
+    const uint32_t dlo = smem_desc_lo(act0 + s * kActBytes);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
+    wgmma_commit();
+    // Double buffer: tile kt - 1's MMAs are done, its stage goes back to the producer and its
+    // fragment registers are free. Single: this tile's.
+    if constexpr (kDouble)
+      wgmma_wait<1>();
+    else
+      wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
+    const int done = kDouble ? kt - 1 : kt;
+    if (done >= 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * (done % kStages));
+    }
+  };
+  for (int kt = 0; kt < KT; kt += 2) {
+    step(kt, std::integral_constant<int, 0>{});
+    if (kt + 1 < KT) step(kt + 1, std::integral_constant<int, 1>{});
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
+  // Every stage has landed and been read: the activation ring becomes the output staging once
+  // both consumer groups are past their MMAs (named barrier 1: the 256 consumer threads).
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = my_row(h);
+    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int tok = 8 * i + 2 * t + q;
+        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
+      }
+  }
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  constexpr int kChunks = kRows / 8;
+  for (int ch = tid; ch < BN * kChunks; ch += 256) {
+    const int tok = ch / kChunks, cc = ch % kChunks;
+    if (tok < rows && n0 + cc * 8 < N)
+      *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
+          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
+  }
+}
+
+// Grid as gemm4_kernel's: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
+template <Codes C, bool CP>
+__global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_constant__ Ws4Params W) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  const Params4& P = W.P;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
+  const int tile_idx = static_cast<int>(blockIdx.y);
+  if (tile_idx >= __ldg(P.count)) return;
+  const int4 tile = P.tiles[tile_idx];
+  const int n0 = static_cast<int>(blockIdx.x) * kRows;
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
+  uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, ws_full_arrivals<CP>());
+      mbar_init(bar_empty + 8 * s, 8);      // the consumer warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int bn = min((tile.z + 15) >> 4, kWsMaxTokens / 16) * 16;
+  if (threadIdx.x >= 256) {
+    ws_produce<C, CP>(W, tile.x, tile.y, bn, n0, base, bar_full, bar_empty);
+    return;
+  }
+  switch (bn >> 4) {
+    case 1: ws_consume<C, 16>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
+    case 2: ws_consume<C, 32>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
+    case 3: ws_consume<C, 48>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
+    default: ws_consume<C, 64>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
+  }
+#else
+  __trap();
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 ws_tensor_map_encoder() {
+  static std::once_flag once;
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    else
+      cudaGetLastError();
+  });
+  return fn;
+}
+
+// The tensor maps of a launch; an error message, or empty.
+std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R) {
+  auto encode = ws_tensor_map_encoder();
+  if (encode == nullptr) return "cuTensorMapEncodeTiled is not available";
+  {
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(E)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(K / 2) * static_cast<cuuint64_t>(N)};
+    const cuuint32_t box[3] = {kBK / 2, kRows, 1}, estrides[3] = {1, 1, 1};
+    if (encode(&W.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(codes), dims, strides, box, estrides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return "cuTensorMapEncodeTiled failed for the codes";
+  }
+  {
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R), 1};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K) * 2, static_cast<cuuint64_t>(K) * 2 * static_cast<cuuint64_t>(R)};
+    const cuuint32_t box[3] = {kBK, 16, 1}, estrides[3] = {1, 1, 1};
+    if (encode(&W.act, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(act), dims, strides, box, estrides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return "cuTensorMapEncodeTiled failed for the activations";
+  }
+  return std::string();
+}
+
 // The shared-memory limit is raised once per device (a per-context attribute).
 template <Codes C>
 std::string prepare_device(int device) {
@@ -573,7 +885,12 @@ size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
-  const int64_t max_tiles = (g.R + kMaxTokens - 1) / kMaxTokens + g.E;
+  // HUMMING_JAX_PREFILL_RS4_WS=1: the warp-specialized form, codes by TMA; =2: codes by the
+  // producer's cp.async (A/B until measured; anything else: gemm4_kernel).
+  const int64_t ws_form = env_count("HUMMING_JAX_PREFILL_RS4_WS", 0, 0);
+  const bool warp_specialized = ws_form == 1 || ws_form == 2;
+  const int max_tokens = warp_specialized ? kWsMaxTokens : kMaxTokens;
+  const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
   int* count = reinterpret_cast<int*>(ws);
@@ -591,7 +908,8 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
   setup4_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), tiles, count, static_cast<__nv_bfloat16*>(g.c), g.N);
+      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), max_tokens, tiles, count,
+      static_cast<__nv_bfloat16*>(g.c), g.N);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("setup4_kernel: ") + cudaGetErrorString(err);
   const int64_t ktiles = g.R * (g.K / kBK);
@@ -619,6 +937,30 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
   const dim3 grid(static_cast<unsigned>((g.N + kRows - 1) / kRows), static_cast<unsigned>(max_tiles));
+  if (warp_specialized) {
+    Ws4Params W{};
+    W.P = P;
+    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R);
+    if (!e.empty()) return e;
+    // The kernel's four forms (codes format x code copies), each raising its limit once.
+    auto launch = [&](auto kernel, unsigned& configured) {
+      if (!decode::raise_smem_limit_once(kernel, kWsSmem, true, configured)) return false;
+      kernel<<<grid, kWsThreads, kWsSmem, stream>>>(W);
+      return true;
+    };
+    static unsigned configured[4] = {0, 0, 0, 0};
+    const bool cp = ws_form == 2;
+    bool ok;
+    if (codes == Codes::kE2M1)
+      ok = cp ? launch(gemm4_ws_kernel<Codes::kE2M1, true>, configured[0])
+              : launch(gemm4_ws_kernel<Codes::kE2M1, false>, configured[1]);
+    else
+      ok = cp ? launch(gemm4_ws_kernel<Codes::kU4, true>, configured[2])
+              : launch(gemm4_ws_kernel<Codes::kU4, false>, configured[3]);
+    if (!ok) return std::string("gemm4_ws_kernel: ") + cudaGetErrorString(cudaGetLastError());
+    err = cudaGetLastError();
+    return err == cudaSuccess ? std::string() : std::string("gemm4_ws_kernel: ") + cudaGetErrorString(err);
+  }
   if (codes == Codes::kE2M1)
     gemm4_kernel<Codes::kE2M1><<<grid, kThreads, kSmem, stream>>>(P);
   else

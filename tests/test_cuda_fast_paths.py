@@ -396,6 +396,26 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
     _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
 
 
+@requires_prefill
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
+def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, monkeypatch, scheme, m, k, e, n, kdim,
+                                                                       kind, bias, group_k):
+    """HUMMING_JAX_PREFILL_RS4_WS=1 (codes by TMA) and =2 (codes by the producer's cp.async): the
+    warp-specialized form of the 4-bit mainloop (tiles of at most 64 tokens) equals the CPU, and
+    the plain mainloop bit for bit (each output's sum runs over k in the same MMA order)."""
+    for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("HUMMING_JAX_PREFILL_RS4_WS", raising=False)
+    weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
+    what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
+    plain, _ = _prefill_once_matches_cpu(p, what, "4-bit prefill")
+    for form in ("1", "2"):
+        monkeypatch.setenv("HUMMING_JAX_PREFILL_RS4_WS", form)
+        got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {form}", "4-bit prefill")
+        np.testing.assert_array_equal(got, plain, err_msg=f"{what}: warp-specialized form {form} differs")
+
+
 # Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of
 # 16 tokens mostly empty. scheme, M, top-k, E, N, K, routing
 PREFILL_AT_DECODE_SIZES = [

@@ -30,8 +30,6 @@
 //    (expert, first row, rows), so a CTA starts with one load, not a search.
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -45,6 +43,7 @@
 #include "gemm_prefill_sm90.h"
 #include "grouped_rows.cuh"
 #include "mbarrier_sm90.cuh"
+#include "tensor_map.h"
 
 namespace hj {
 namespace prefill {
@@ -559,14 +558,17 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
 // ---------------------------------------------------------------------------------------------
 constexpr int kWsThreads = 288;           // two consumer warpgroups (warps 0-7) + a producer warp
 constexpr int kWsScaleBytes = kRows * 2;  // one stage's scale words: 16 bits per weight row
-constexpr int kWsSmem = kStages * (kActBytes + kCodeBytes + kWsScaleBytes) + 1024;
 constexpr int kWsMaxTokens = 64;
-constexpr int kWsScaleAhead = 4;         // stages between a scale word's load and its store
-static_assert(kMaxTokens * kOutStride <= kStages * kActBytes, "the epilogue's staging lies in the activation ring");
+constexpr int kWsActBytes = kWsMaxTokens * kBK * 2;  // one stage of activations (8 KB)
+// Four stages: the producer's loop is unrolled over the ring, so its slots and phases are constants.
+constexpr int kWsStages = 4;
+constexpr int kWsScaleAhead = kWsStages;  // stages between a scale word's load and its store
+constexpr int kWsSmem = kWsStages * (kWsActBytes + kCodeBytes + kWsScaleBytes) + 1024;
+static_assert(kWsMaxTokens * kOutStride <= kWsStages * kWsActBytes, "the epilogue's staging lies in the activation ring");
 
 struct Ws4Params {
-  CUtensorMap codes;  // [E][N][K / 2] bytes; box (32, kRows, 1), no swizzle
-  CUtensorMap act;    // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16, 1), 128-byte swizzle
+  CUtensorMap codes;   // [E][N][K / 2] bytes; box (32, kRows, 1), no swizzle
+  CUtensorMap act[4];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
   Params4 P;
 };
 
@@ -579,22 +581,19 @@ __device__ __forceinline__ uint32_t lds16(uint32_t a) {
   return v;
 }
 
-// The full barrier's arrivals: the TMA's expect-tx arrive and the producer lanes' scale words, and
-// with codes by cp.async (CP) each lane's arrive on the completion of its copies.
-template <bool CP>
-constexpr int ws_full_arrivals() { return CP ? 1 + 32 + 32 : 1 + 32; }
+// The full barrier's arrivals: the TMA's expect-tx arrive and the producer lanes' scale words.
+constexpr int kWsFullArrivals = 1 + 32;
 
-// The producer warp: stages 0 .. KT - 1 of the tile into ring slots kt % kStages. The codes by one
-// TMA box of 32-byte rows, or (CP) by the warp's cp.async, 16 bytes a lane and request with the
-// L2 256-byte prefetch of gemm4_kernel's copies (a CTA's TMA rate follows its request size:
-// benchmarks/NOTES.md, v11p, v11v).
-template <Codes C, bool CP>
+// The producer warp: stages 0 .. KT - 1 of the tile into ring slots kt % kWsStages, each by two TMA
+// boxes (the codes, 32 bytes of each of the 128 rows; the tile's activation rows, one box of its
+// width) and the 128 rows' scale words.
+template <Codes C>
 __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, int bn, int n0, uint32_t base,
                                            uint32_t bar_full, uint32_t bar_empty) {
   const Params4& P = W.P;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int N = P.N, K = P.K, KT = K / kBK;
-  const uint32_t act0 = base, code0 = base + kStages * kActBytes, sc0 = code0 + kStages * kCodeBytes;
+  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * kCodeBytes;
   // The scale words of this lane's rows lane + 32 q: uint4, the group's bf16 scale; e2m1, the two
   // 32-k groups' e8m0 bytes of the stage (an even index: K / 32 is even).
   const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
@@ -617,44 +616,30 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
   uint32_t ring[kWsScaleAhead][4];
 #pragma unroll
   for (int j = 0; j < kWsScaleAhead; ++j) scale_words(j, ring[j]);
-  // CP: this lane's 16-byte chunks c = lane + 32 i of a stage's codes: row c / 2, half c % 2 (rows
-  // past N zero-filled, reading nothing).
-  constexpr int kCodeChunks = kCodeBytes / 16 / 32;
-  const uint8_t* csrc = static_cast<const uint8_t*>(P.w) + static_cast<int64_t>(e) * N * (K / 2) + (lane & 1) * 16;
-  const int crow0 = lane >> 1;
-  const uint32_t tx = static_cast<uint32_t>((CP ? 0 : kCodeBytes) + bn * kBK * 2);
-  auto stage = [&](int kt, auto slot) {
+  const CUtensorMap* act_map = &W.act[bn / 16 - 1];
+  const uint32_t tx = static_cast<uint32_t>(kCodeBytes + bn * kBK * 2);
+  // Stage kt into slot J (= kt % kWsStages) in phase ph of the ring.
+  auto stage = [&](int kt, uint32_t ph, auto slot) {
     constexpr int J = decltype(slot)::value;
-    const int s = kt % kStages;
-    const uint32_t ph = static_cast<uint32_t>(kt / kStages) & 1u;
-    mbar_wait(bar_empty + 8 * s, ph ^ 1u);
+    const uint32_t full = bar_full + 8 * J;
+    mbar_wait(bar_empty + 8 * J, ph ^ 1u);
     if (lane == 0) {
-      mbar_arrive_expect_tx(bar_full + 8 * s, tx);
-      if constexpr (!CP) tma_load_3d(code0 + s * kCodeBytes, &W.codes, kt * (kBK / 2), n0, e, bar_full + 8 * s);
-      for (int j = 0; j < bn / 16; ++j)
-        tma_load_3d(act0 + s * kActBytes + j * 16 * kBK * 2, &W.act, kt * kBK, row0 + 16 * j, 0, bar_full + 8 * s);
-    }
-    if constexpr (CP) {
-#pragma unroll
-      for (int i = 0; i < kCodeChunks; ++i) {
-        const int row = crow0 + 16 * i;
-        const bool ok = n0 + row < N;
-        cp_async_weights(code0 + s * kCodeBytes + row * (kBK / 2) + (lane & 1) * 16,
-                         ok ? csrc + static_cast<int64_t>(n0 + row) * (K / 2) + kt * (kBK / 2) : csrc, ok ? 16 : 0);
-      }
-      cp_async_mbar_arrive(bar_full + 8 * s);  // once this lane's copies have landed
+      mbar_arrive_expect_tx(full, tx);
+      tma_load_3d(code0 + J * kCodeBytes, &W.codes, kt * (kBK / 2), n0, e, full);
+      tma_load_3d(act0 + J * kWsActBytes, act_map, kt * kBK, row0, 0, full);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) sts16(sc0 + s * kWsScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
-    mbar_arrive(bar_full + 8 * s);  // release: the scale words above are visible to the waiters
+    for (int q = 0; q < 4; ++q) sts16(sc0 + J * kWsScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
+    mbar_arrive(full);  // release: the scale words above are visible to the waiters
     scale_words(kt + kWsScaleAhead, ring[J]);
   };
-  static_assert(kWsScaleAhead == 4, "the stage loop below unrolls over four slots");
-  for (int kt = 0; kt < KT; kt += kWsScaleAhead) {
-    stage(kt, std::integral_constant<int, 0>{});
-    if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
-    if (kt + 2 < KT) stage(kt + 2, std::integral_constant<int, 2>{});
-    if (kt + 3 < KT) stage(kt + 3, std::integral_constant<int, 3>{});
+  static_assert(kWsStages == 4, "the stage loop below unrolls over four slots");
+  uint32_t ph = 0;
+  for (int kt = 0; kt < KT; kt += kWsStages, ph ^= 1u) {
+    stage(kt, ph, std::integral_constant<int, 0>{});
+    if (kt + 1 < KT) stage(kt + 1, ph, std::integral_constant<int, 1>{});
+    if (kt + 2 < KT) stage(kt + 2, ph, std::integral_constant<int, 2>{});
+    if (kt + 3 < KT) stage(kt + 3, ph, std::integral_constant<int, 3>{});
   }
 }
 
@@ -666,7 +651,7 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
   constexpr int kAcc = BN / 2;
   constexpr bool kDouble = BN <= 96;
   const int N = P.N, K = P.K, KT = K / kBK;
-  const uint32_t act0 = base, code0 = base + kStages * kActBytes, sc0 = code0 + kStages * kCodeBytes;
+  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * kCodeBytes;
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -677,8 +662,8 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
 
   auto step = [&](int kt, auto buf) {
     constexpr int A = kDouble ? decltype(buf)::value : 0;
-    const int s = kt % kStages;
-    mbar_wait(bar_full + 8 * s, static_cast<uint32_t>(kt / kStages) & 1u);
+    const int s = kt % kWsStages;
+    mbar_wait(bar_full + 8 * s, static_cast<uint32_t>(kt / kWsStages) & 1u);
     bool two = false;
     uint32_t f2[2];
 #pragma unroll
@@ -736,7 +721,7 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
     const int done = kDouble ? kt - 1 : kt;
     if (done >= 0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * (done % kStages));
+      if (lane == 0) mbar_arrive(bar_empty + 8 * (done % kWsStages));
     }
   };
   for (int kt = 0; kt < KT; kt += 2) {
@@ -772,22 +757,22 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
 }
 
 // Grid as gemm4_kernel's: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
-template <Codes C, bool CP>
+template <Codes C>
 __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_constant__ Ws4Params W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   const Params4& P = W.P;
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
+  __shared__ __align__(8) uint64_t bars[2 * kWsStages];  // full[kWsStages], empty[kWsStages]
   const int tile_idx = static_cast<int>(blockIdx.y);
   if (tile_idx >= __ldg(P.count)) return;
   const int4 tile = P.tiles[tile_idx];
   const int n0 = static_cast<int>(blockIdx.x) * kRows;
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
   uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
-  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kWsStages]);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, ws_full_arrivals<CP>());
+    for (int s = 0; s < kWsStages; ++s) {
+      mbar_init(bar_full + 8 * s, kWsFullArrivals);
       mbar_init(bar_empty + 8 * s, 8);      // the consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -795,7 +780,7 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
   __syncthreads();
   const int bn = min((tile.z + 15) >> 4, kWsMaxTokens / 16) * 16;
   if (threadIdx.x >= 256) {
-    ws_produce<C, CP>(W, tile.x, tile.y, bn, n0, base, bar_full, bar_empty);
+    ws_produce<C>(W, tile.x, tile.y, bn, n0, base, bar_full, bar_empty);
     return;
   }
   switch (bn >> 4) {
@@ -809,25 +794,9 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 ws_tensor_map_encoder() {
-  static std::once_flag once;
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-    else
-      cudaGetLastError();
-  });
-  return fn;
-}
-
 // The tensor maps of a launch; an error message, or empty.
 std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R) {
-  auto encode = ws_tensor_map_encoder();
+  auto encode = tensor_map_encoder();
   if (encode == nullptr) return "cuTensorMapEncodeTiled is not available";
   {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(E)};
@@ -838,11 +807,12 @@ std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return "cuTensorMapEncodeTiled failed for the codes";
   }
-  {
+  // One map per tile width (16, 32, 48, 64 rows): a stage's activations are one box.
+  for (int i = 0; i < 4; ++i) {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R), 1};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K) * 2, static_cast<cuuint64_t>(K) * 2 * static_cast<cuuint64_t>(R)};
-    const cuuint32_t box[3] = {kBK, 16, 1}, estrides[3] = {1, 1, 1};
-    if (encode(&W.act, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(act), dims, strides, box, estrides,
+    const cuuint32_t box[3] = {kBK, static_cast<cuuint32_t>(16 * (i + 1)), 1}, estrides[3] = {1, 1, 1};
+    if (encode(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(act), dims, strides, box, estrides,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return "cuTensorMapEncodeTiled failed for the activations";
@@ -885,10 +855,9 @@ size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
-  // HUMMING_JAX_PREFILL_RS4_WS=1: the warp-specialized form, codes by TMA; =2: codes by the
-  // producer's cp.async (A/B until measured; anything else: gemm4_kernel).
-  const int64_t ws_form = env_count("HUMMING_JAX_PREFILL_RS4_WS", 0, 0);
-  const bool warp_specialized = ws_form == 1 || ws_form == 2;
+  // HUMMING_JAX_PREFILL_RS4_WS=1: the warp-specialized form (A/B until measured; anything else:
+  // gemm4_kernel).
+  const bool warp_specialized = env_count("HUMMING_JAX_PREFILL_RS4_WS", 0, 0) == 1;
   const int max_tokens = warp_specialized ? kWsMaxTokens : kMaxTokens;
   const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
@@ -942,21 +911,15 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     W.P = P;
     const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R);
     if (!e.empty()) return e;
-    // The kernel's four forms (codes format x code copies), each raising its limit once.
+    // The kernel's two forms (codes format), each raising its limit once.
     auto launch = [&](auto kernel, unsigned& configured) {
       if (!decode::raise_smem_limit_once(kernel, kWsSmem, true, configured)) return false;
       kernel<<<grid, kWsThreads, kWsSmem, stream>>>(W);
       return true;
     };
-    static unsigned configured[4] = {0, 0, 0, 0};
-    const bool cp = ws_form == 2;
-    bool ok;
-    if (codes == Codes::kE2M1)
-      ok = cp ? launch(gemm4_ws_kernel<Codes::kE2M1, true>, configured[0])
-              : launch(gemm4_ws_kernel<Codes::kE2M1, false>, configured[1]);
-    else
-      ok = cp ? launch(gemm4_ws_kernel<Codes::kU4, true>, configured[2])
-              : launch(gemm4_ws_kernel<Codes::kU4, false>, configured[3]);
+    static unsigned configured[2] = {0, 0};
+    const bool ok = codes == Codes::kE2M1 ? launch(gemm4_ws_kernel<Codes::kE2M1>, configured[0])
+                                          : launch(gemm4_ws_kernel<Codes::kU4>, configured[1]);
     if (!ok) return std::string("gemm4_ws_kernel: ") + cudaGetErrorString(cudaGetLastError());
     err = cudaGetLastError();
     return err == cudaSuccess ? std::string() : std::string("gemm4_ws_kernel: ") + cudaGetErrorString(err);

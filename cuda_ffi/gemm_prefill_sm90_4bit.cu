@@ -330,6 +330,52 @@ __device__ __forceinline__ uint32_t pair(uint32_t word, uint32_t f1) {
   }
 }
 
+// One 64-k tile of a thread's two weight rows (h = 0, 1: code words words[h], scale sc[h]: e2m1, the
+// lane's e8m0 byte; uint4, the bf16 scale's bits) to its wgmma A fragments frag[k16 step][register],
+// times the first scale factor; f2 gets the second factor of each row, and the result says whether
+// any row needs it (apply_second_factor).
+template <Codes C>
+__device__ __forceinline__ bool convert_codes(const uint32_t (&words)[2][2], const uint32_t (&sc)[2], uint32_t (&frag)[4][4],
+                                              uint32_t (&f2)[2]) {
+  bool two = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t f1;
+    if constexpr (C == Codes::kE2M1) {
+      bool tw;
+      fp4_factors(sc[h], f1, f2[h], tw);
+      two |= tw;
+    } else {
+      f1 = sc[h] * 0x10001u;
+      f2[h] = 0x3f803f80u;  // 1.0
+      two |= sc[h] == 0u;
+    }
+#pragma unroll
+    for (int wd = 0; wd < 2; ++wd) {
+      // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
+      frag[2 * wd + 0][0 + h] = pair<C, 0>(words[h][wd], f1);
+      frag[2 * wd + 0][2 + h] = pair<C, 1>(words[h][wd], f1);
+      frag[2 * wd + 1][0 + h] = pair<C, 2>(words[h][wd], f1);
+      frag[2 * wd + 1][2 + h] = pair<C, 3>(words[h][wd], f1);
+    }
+  }
+  return two;
+}
+
+// e8m0 scales above 128 (weights beyond +-12) practically never occur: one vote per warp and tile,
+// and the second factor only then (1.0 for the rows that do not need it). The branch also keeps
+// ptxas from scheduling conversion instructions past wgmma.fence, which it answers by serializing
+// every wgmma (C7513); uint4 therefore keeps one too, on a zero scale, with the factor 1.0 (no
+// change to any value).
+__device__ __forceinline__ void apply_second_factor(bool two, const uint32_t (&f2)[2], uint32_t (&frag)[4][4]) {
+  if (__any_sync(0xffffffffu, two)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) frag[j][r] = hmul2<false>(frag[j][r], f2[r & 1]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One CTA tile: 128 weight rows from n0 of expert e x `rows` token rows from row0, on the mainloop
 // of width BN (rows rounded up to 16).
@@ -427,43 +473,12 @@ __device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int row
     const int s = s_use;
     s_use = s_use == kStages - 1 ? 0 : s_use + 1;
     s_load = s_load == kStages - 1 ? 0 : s_load + 1;
-    bool two = false;
-    uint32_t f2[2];
+    uint32_t words[2][2], f2[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t words[2];
-      decode::lds64(words, code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
-      uint32_t f1;
-      if constexpr (C == Codes::kE2M1) {
-        bool tw;
-        fp4_factors(sc[B][h], f1, f2[h], tw);
-        two |= tw;
-      } else {
-        f1 = sc[B][h] * 0x10001u;
-        f2[h] = 0x3f803f80u;  // 1.0
-        two |= sc[B][h] == 0u;
-      }
-#pragma unroll
-      for (int wd = 0; wd < 2; ++wd) {
-        // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
-        afrag[A][2 * wd + 0][0 + h] = pair<C, 0>(words[wd], f1);
-        afrag[A][2 * wd + 0][2 + h] = pair<C, 1>(words[wd], f1);
-        afrag[A][2 * wd + 1][0 + h] = pair<C, 2>(words[wd], f1);
-        afrag[A][2 * wd + 1][2 + h] = pair<C, 3>(words[wd], f1);
-      }
-    }
+    for (int h = 0; h < 2; ++h) decode::lds64(words[h], code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
+    const bool two = convert_codes<C>(words, sc[B], afrag[A], f2);
     load_scales(kt + 2, sc[B]);
-    // e8m0 scales above 128 (weights beyond +-12) practically never occur: one vote per warp and
-    // tile, and the second factor only then (1.0 for the rows that do not need it). The branch also
-    // keeps ptxas from scheduling conversion instructions past wgmma.fence, which it answers by
-    // serializing every wgmma (C7513); uint4 therefore keeps one too, on a zero scale, with the
-    // factor 1.0 (no change to any value).
-    if (__any_sync(0xffffffffu, two)) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) afrag[A][j][r] = hmul2<false>(afrag[A][j][r], f2[r & 1]);
-    }
+    apply_second_factor(two, f2, afrag[A]);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
 #pragma unroll
@@ -664,39 +679,14 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
     constexpr int A = kDouble ? decltype(buf)::value : 0;
     const int s = kt % kWsStages;
     mbar_wait(bar_full + 8 * s, static_cast<uint32_t>(kt / kWsStages) & 1u);
-    bool two = false;
-    uint32_t f2[2];
+    uint32_t words[2][2], sc[2], f2[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t words[2];
-      decode::lds64(words, code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
+      decode::lds64(words[h], code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
       const uint32_t sw = lds16(sc0 + s * kWsScaleBytes + my_row(h) * 2);
-      uint32_t f1;
-      if constexpr (C == Codes::kE2M1) {
-        bool tw;
-        fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1, f2[h], tw);
-        two |= tw;
-      } else {
-        f1 = sw * 0x10001u;
-        f2[h] = 0x3f803f80u;  // 1.0
-        two |= sw == 0u;
-      }
-#pragma unroll
-      for (int wd = 0; wd < 2; ++wd) {
-        afrag[A][2 * wd + 0][0 + h] = pair<C, 0>(words[wd], f1);
-        afrag[A][2 * wd + 0][2 + h] = pair<C, 1>(words[wd], f1);
-        afrag[A][2 * wd + 1][0 + h] = pair<C, 2>(words[wd], f1);
-        afrag[A][2 * wd + 1][2 + h] = pair<C, 3>(words[wd], f1);
-      }
+      sc[h] = C == Codes::kE2M1 ? (sw >> (8 * (t >> 1))) & 0xffu : sw;  // e2m1: this lane's 32-k group
     }
-    // As above: the second e8m0 factor only on a vote, and the branch keeps the conversion before
-    // wgmma.fence (uint4: on a zero scale, factor 1.0).
-    if (__any_sync(0xffffffffu, two)) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) afrag[A][j][r] = hmul2<false>(afrag[A][j][r], f2[r & 1]);
-    }
+    apply_second_factor(convert_codes<C>(words, sc, afrag[A], f2), f2, afrag[A]);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
 #pragma unroll
@@ -704,7 +694,7 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
 #pragma unroll
       for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);
     wgmma_fence();
-    const uint32_t dlo = smem_desc_lo(act0 + s * kActBytes);
+    const uint32_t dlo = smem_desc_lo(act0 + s * kWsActBytes);
 #pragma unroll
     for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
     wgmma_commit();

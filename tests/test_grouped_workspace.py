@@ -338,3 +338,25 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)
         with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_MIN_ROWS"):
             gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)
+
+
+def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_RS4_WS takes 0 or 1 (or nothing); any other value fails where the 4-bit
+    mainloop's workspace is sized, and the workspace is the same for both forms."""
+    for var in (gemm_ops.ENV_PREFILL_MIN_ROWS, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
+                gemm_ops.ENV_PREFILL_MIXED, gemm_ops.ENV_PREFILL_RS4_WS):
+        monkeypatch.delenv(var, raising=False)
+    e, n, k = 8, 384, 512
+    rows = 40 * e
+    for w in (_int4(rng, e, n, k), _mxfp4(rng, e, n, k)):
+        unset = gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
+        assert unset > rows * k * 2
+        for good in ("0", "1", " +1"):
+            monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, good)
+            assert gemm_ops.rs4_warp_specialized_switch() == int(good)
+            assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == unset
+        for bad in ("2", "-1", "yes", "1 ", "0x1"):
+            monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, bad)
+            with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_RS4_WS"):
+                gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
+        monkeypatch.delenv(gemm_ops.ENV_PREFILL_RS4_WS)

@@ -352,6 +352,21 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
             and rows < u4rs_max_rows_per_expert() * e and -(-rows // 64) + e + 1 <= 65535)
 
 
+# The 4-bit mainloop's warp-specialized form (cuda_ffi/gemm_prefill_sm90_4bit.cu, gemm4_ws_kernel:
+# a producer warp loading by TMA, tiles of at most 64 token rows). $HUMMING_JAX_PREFILL_RS4_WS=1
+# takes it for every call of the mainloop, =0 never; unset, the CUDA handler's rule (run_rs4). Read
+# when the call is traced, as by the CUDA handler at each call.
+ENV_PREFILL_RS4_WS = "HUMMING_JAX_PREFILL_RS4_WS"
+
+
+def rs4_warp_specialized_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_RS4_WS as 0 or 1, None when unset; any other value is an error."""
+    value = _env_int(ENV_PREFILL_RS4_WS, "0 or 1")
+    if value not in (None, 0, 1):
+        raise ValueError(f"{ENV_PREFILL_RS4_WS} = {os.environ[ENV_PREFILL_RS4_WS]!r} is not 0 or 1")
+    return value
+
+
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
                         out_dtype: Any = jnp.bfloat16) -> int:
     """Workspace bytes ``gemm_grouped`` adds for the 4-bit mainloop (its tile list and the permuted
@@ -360,6 +375,8 @@ def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantize
     if not (fp4_prefill(rows, w, act_dtype, act_quantized, out_dtype)
             or u4rs_prefill(rows, w, act_dtype, act_quantized, out_dtype)):
         return 0
+    rs4_warp_specialized_switch()  # a malformed switch fails here, not as another kernel there
+    # Tiles of at most 64 rows (either form): at most rows / 64 + E + 1 list entries.
     tile_list = (-(-rows // 64) + w.num_experts + 1) * 16
     return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2
 

@@ -405,12 +405,12 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
     sum runs over k in the same MMA order)."""
     for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv("HUMMING_JAX_PREFILL_RS4_WS", raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "0")
     weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
     what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
     plain, _ = _prefill_once_matches_cpu(p, what, "4-bit prefill")
-    monkeypatch.setenv("HUMMING_JAX_PREFILL_RS4_WS", "1")
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "1")
     got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized", "4-bit prefill")
     np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form differs")
 

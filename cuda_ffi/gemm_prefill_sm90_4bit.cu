@@ -575,10 +575,9 @@ constexpr int kWsThreads = 288;           // two consumer warpgroups (warps 0-7)
 constexpr int kWsScaleBytes = kRows * 2;  // one stage's scale words: 16 bits per weight row
 constexpr int kWsMaxTokens = 64;
 constexpr int kWsActBytes = kWsMaxTokens * kBK * 2;  // one stage of activations (8 KB)
-// Eight stages (two CTAs of ~99 KB per SM): the producer's loop is unrolled over the ring, so its
-// slots and phases are constants.
-constexpr int kWsStages = 8;
-constexpr int kWsScaleAhead = 4;  // stages between a scale word's load and its store
+// Four stages: the producer's loop is unrolled over the ring, so its slots and phases are constants.
+constexpr int kWsStages = 4;
+constexpr int kWsScaleAhead = kWsStages;  // stages between a scale word's load and its store
 constexpr int64_t kWsRowsPerExpert = 48;  // run_rs4's rule (average rows per expert)
 constexpr int kWsSmem = kWsStages * (kWsActBytes + kCodeBytes + kWsScaleBytes) + 1024;
 static_assert(kWsMaxTokens * kOutStride <= kWsStages * kWsActBytes, "the epilogue's staging lies in the activation ring");
@@ -646,21 +645,17 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
       tma_load_3d(act0 + J * kWsActBytes, act_map, kt * kBK, row0, 0, full);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) sts16(sc0 + J * kWsScaleBytes + (lane + 32 * q) * 2, ring[J % kWsScaleAhead][q]);
+    for (int q = 0; q < 4; ++q) sts16(sc0 + J * kWsScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
     mbar_arrive(full);  // release: the scale words above are visible to the waiters
-    scale_words(kt + kWsScaleAhead, ring[J % kWsScaleAhead]);
+    scale_words(kt + kWsScaleAhead, ring[J]);
   };
-  static_assert(kWsStages == 8 && kWsStages % kWsScaleAhead == 0, "the stage loop below unrolls over eight slots");
+  static_assert(kWsStages == 4, "the stage loop below unrolls over four slots");
   uint32_t ph = 0;
   for (int kt = 0; kt < KT; kt += kWsStages, ph ^= 1u) {
     stage(kt, ph, std::integral_constant<int, 0>{});
     if (kt + 1 < KT) stage(kt + 1, ph, std::integral_constant<int, 1>{});
     if (kt + 2 < KT) stage(kt + 2, ph, std::integral_constant<int, 2>{});
     if (kt + 3 < KT) stage(kt + 3, ph, std::integral_constant<int, 3>{});
-    if (kt + 4 < KT) stage(kt + 4, ph, std::integral_constant<int, 4>{});
-    if (kt + 5 < KT) stage(kt + 5, ph, std::integral_constant<int, 5>{});
-    if (kt + 6 < KT) stage(kt + 6, ph, std::integral_constant<int, 6>{});
-    if (kt + 7 < KT) stage(kt + 7, ph, std::integral_constant<int, 7>{});
   }
 }
 

@@ -30,6 +30,9 @@
 //    (expert, first row, rows), so a CTA starts with one load, not a search.
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
+//  * At up to 48 rows per expert on average, a warp-specialized form of the same tile (tiles of at
+//    most 64 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
+//    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -557,19 +560,20 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The warp-specialized form of the same tile (HUMMING_JAX_PREFILL_RS4_WS=1; A/B until measured).
-// benchmarks/NOTES.md, v11v: beside humming-kernels the mainloop above does the same conversion and
-// MMA work but issues ~30% more instructions (every thread's copy and scale-load addressing, the
-// ring's slot arithmetic) and waits at a CTA barrier per stage. Here a producer warp fills the
-// ring: per stage one TMA box of the 128 rows' codes (32 bytes each, no swizzle: the layout the
-// consumers read above), the tile's activation rows in boxes of 16 rows x 64 k (128-byte swizzle,
-// the B operand's layout above; rows past R zero, rows past the tile's never stored) and the 128
-// rows' 16-bit scale words (loaded one stage ahead, stored to shared memory), all completing one
-// mbarrier. The two consumer warpgroups wait on it, convert and issue the MMAs exactly as above
-// (same k order and rounding: the same bits), and release the stage on a second mbarrier once
-// its MMAs are done. The producer is a ninth warp; two CTAs per SM leave 96 registers a thread
-// (18 warps, five on some scheduler), so tiles hold at most kWsMaxTokens token rows (a producer
-// warpgroup giving its registers to the consumers by setmaxnreg would leave ptxas 80).
+// The warp-specialized form of the same tile, for calls of at most kWsRowsPerExpert rows per expert
+// on average (run_rs4; HUMMING_JAX_PREFILL_RS4_WS=1 / 0 forces it / the mainloop above). Beside
+// humming-kernels the mainloop above does the same conversion and MMA work but issues ~30% more
+// instructions (every thread's copy and scale-load addressing, the ring's slot arithmetic) and
+// waits at a CTA barrier per stage (benchmarks/NOTES.md, v11v). Here a producer warp fills a ring
+// of kWsStages: per stage one TMA box of the 128 rows' codes (32 bytes each, no swizzle: the layout
+// the consumers read above), one box of the tile's activation rows x 64 k (128-byte swizzle, the B
+// operand's layout above; rows past R zero, rows past the tile's never stored) and the 128 rows'
+// 16-bit scale words (loaded kWsScaleAhead stages ahead, stored to shared memory), all completing
+// one mbarrier. The two consumer warpgroups wait on it, convert and issue the MMAs as above (same
+// k order and rounding: the same bits), and release the stage on a second mbarrier once its MMAs
+// are done. The producer is a ninth warp; two CTAs per SM leave 96 registers a thread (18 warps,
+// five on some scheduler), so tiles hold at most kWsMaxTokens token rows (a producer warpgroup
+// giving its registers to the consumers by setmaxnreg would leave ptxas 80).
 // ---------------------------------------------------------------------------------------------
 constexpr int kWsThreads = 288;           // two consumer warpgroups (warps 0-7) + a producer warp
 constexpr int kWsScaleBytes = kRows * 2;  // one stage's scale words: 16 bits per weight row

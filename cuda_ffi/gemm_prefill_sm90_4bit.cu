@@ -379,6 +379,66 @@ __device__ __forceinline__ void apply_second_factor(bool two, const uint32_t (&f
   }
 }
 
+// The four MMAs of a 64-k tile: acc (+)= fragments A of afrag x the activation stage at act (its
+// first MMA overwrites acc unless accumulate). Double buffer (kDouble): returns once the previous
+// tile's MMAs are done, the other buffer's registers free again; single: once this tile's are.
+template <int BN, bool kDouble, int A>
+__device__ __forceinline__ void mma_tile(float (&acc)[BN / 2], uint32_t (&afrag)[kDouble ? 2 : 1][4][4], uint32_t act,
+                                         bool accumulate) {
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) fence_reg(acc[i]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);  // converted before the fence, not between MMAs
+  wgmma_fence();
+  const uint32_t dlo = smem_desc_lo(act);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), accumulate || j > 0);
+  wgmma_commit();
+  if constexpr (kDouble)
+    wgmma_wait<1>();
+  else
+    wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
+}
+
+// The epilogue of a tile: acc[4 i + q] (weight row wg * 64 + warp * 16 + g + 8 (q >> 1), token
+// 8 i + 2 t + (q & 1)) plus the expert's bias, rounded to bf16 and staged in shared memory, then
+// stored as 16-byte row chunks by the `threads` threads of tid; sync() is the barrier among them
+// (the staging overwrites the ring, so every MMA of the tile must be done before the first one).
+template <int BN, int kThreadsHere, typename Sync>
+__device__ __forceinline__ void store_tile(const Params4& P, const float (&acc)[BN / 2], int e, int row0, int rows,
+                                           int n0, uint8_t* smem, int tid, Sync sync) {
+  const int N = P.N;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  sync();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wg * 64 + warp * 16 + g + 8 * h;
+    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int tok = 8 * i + 2 * t + q;
+        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
+      }
+  }
+  sync();
+  constexpr int kChunks = kRows / 8;  // 16-byte chunks of an output row
+  for (int ch = tid; ch < BN * kChunks; ch += kThreadsHere) {
+    const int tok = ch / kChunks, cc = ch % kChunks;
+    if (tok < rows && n0 + cc * 8 < N)
+      *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
+          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One CTA tile: 128 weight rows from n0 of expert e x `rows` token rows from row0, on the mainloop
 // of width BN (rows rounded up to 16).
@@ -482,26 +542,7 @@ __device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int row
     const bool two = convert_codes<C>(words, sc[B], afrag[A], f2);
     load_scales(kt + 2, sc[B]);
     apply_second_factor(two, f2, afrag[A]);
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);  // converted before the fence, not between MMAs
-    wgmma_fence();
-    const uint32_t dlo = smem_desc_lo(act0 + s * kActBytes);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
-    wgmma_commit();
-    // Double buffer: tile kt - 1 done, the other buffer's registers are free again. Single: tile kt.
-    if constexpr (kDouble)
-      wgmma_wait<1>();
-    else
-      wgmma_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
+    mma_tile<BN, kDouble, A>(acc, afrag, act0 + s * kActBytes, kt > 0);
   };
 
   for (int kt = 0; kt < KT; kt += 2) {
@@ -512,29 +553,7 @@ __device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int row
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
   cp_async_wait<0>();
-  __syncthreads();  // the ring becomes the output staging
-
-  // acc[4 i + q]: weight row my_row(q >> 1), token 8 i + 2 t + (q & 1).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = my_row(h);
-    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int tok = 8 * i + 2 * t + q;
-        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
-      }
-  }
-  __syncthreads();
-  constexpr int kChunks = kRows / 8;  // 16-byte chunks of an output row
-  for (int ch = tid; ch < BN * kChunks; ch += kThreads) {
-    const int tok = ch / kChunks, cc = ch % kChunks;
-    if (tok < rows && n0 + cc * 8 < N)
-      *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
-          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
-  }
+  store_tile<BN, kThreads>(P, acc, e, row0, rows, n0, smem, tid, [] { __syncthreads(); });  // the ring: the staging
 }
 
 // Grid: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
@@ -670,7 +689,7 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
                                            uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
   constexpr int kAcc = BN / 2;
   constexpr bool kDouble = BN <= 96;
-  const int N = P.N, K = P.K, KT = K / kBK;
+  const int KT = P.K / kBK;
   const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * kCodeBytes;
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -692,27 +711,8 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
       sc[h] = C == Codes::kE2M1 ? (sw >> (8 * (t >> 1))) & 0xffu : sw;  // e2m1: this lane's 32-k group
     }
     apply_second_factor(convert_codes<C>(words, sc, afrag[A], f2), f2, afrag[A]);
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);
-    wgmma_fence();
-    const uint32_t dlo = smem_desc_lo(act0 + s * kWsActBytes);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
-    wgmma_commit();
-    // Double buffer: tile kt - 1's MMAs are done, its stage goes back to the producer and its
-    // fragment registers are free. Single: this tile's.
-    if constexpr (kDouble)
-      wgmma_wait<1>();
-    else
-      wgmma_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
+    mma_tile<BN, kDouble, A>(acc, afrag, act0 + s * kWsActBytes, kt > 0);
+    // Double buffer: tile kt - 1's MMAs are done, its stage goes back to the producer. Single: this tile's.
     const int done = kDouble ? kt - 1 : kt;
     if (done >= 0) {
       __syncwarp();
@@ -728,27 +728,7 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
   for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
   // Every stage has landed and been read: the activation ring becomes the output staging once
   // both consumer groups are past their MMAs (named barrier 1: the 256 consumer threads).
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = my_row(h);
-    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int tok = 8 * i + 2 * t + q;
-        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
-      }
-  }
-  asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  constexpr int kChunks = kRows / 8;
-  for (int ch = tid; ch < BN * kChunks; ch += 256) {
-    const int tok = ch / kChunks, cc = ch % kChunks;
-    if (tok < rows && n0 + cc * 8 < N)
-      *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
-          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
-  }
+  store_tile<BN, 256>(P, acc, e, row0, rows, n0, smem, tid, [] { asm volatile("bar.sync 1, 256;\n" ::: "memory"); });
 }
 
 // Grid as gemm4_kernel's: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).

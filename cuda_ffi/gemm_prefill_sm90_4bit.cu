@@ -832,9 +832,11 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
   // The warp-specialized form up to kWsRowsPerExpert rows per expert on average: its tiles hold at
   // most 64 rows, so above that more experts take two passes over their weights.
-  // HUMMING_JAX_PREFILL_RS4_WS=1 takes it always, =0 never (Python rejects other values).
+  // It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails where
+  // HUMMING_JAX_PREFILL_RS4_WS=1 forces it without one; =0: never; Python rejects other values).
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
-  const bool warp_specialized = ws_switch == 1 || (ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E);
+  const bool warp_specialized =
+      ws_switch == 1 || (ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr);
   const int max_tokens = warp_specialized ? kWsMaxTokens : kMaxTokens;
   const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.

@@ -406,36 +406,41 @@ __device__ __forceinline__ void mma_tile(float (&acc)[BN / 2], uint32_t (&afrag)
     for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
 }
 
-// The epilogue of a tile: acc[4 i + q] (weight row wg * 64 + warp * 16 + g + 8 (q >> 1), token
-// 8 i + 2 t + (q & 1)) plus the expert's bias, rounded to bf16 and staged in shared memory, then
-// stored as 16-byte row chunks by the `threads` threads of tid; sync() is the barrier among them
-// (the staging overwrites the ring, so every MMA of the tile must be done before the first one).
-template <int BN, int kThreadsHere, typename Sync>
-__device__ __forceinline__ void store_tile(const Params4& P, const float (&acc)[BN / 2], int e, int row0, int rows,
+// The epilogue of a tile of S slabs of 64 weight rows per warpgroup (128 S rows per CTA): acc[sl][4 i
+// + q] (weight row wg * 64 S + sl * 64 + warp * 16 + g + 8 (q >> 1), token 8 i + 2 t + (q & 1))
+// plus the expert's bias, rounded to bf16 and staged in shared memory, then stored as 16-byte row
+// chunks by the `threads` threads of tid; sync() is the barrier among them (the staging overwrites
+// the ring, so every MMA of the tile must be done before the first one).
+template <int BN, int kThreadsHere, int S, typename Sync>
+__device__ __forceinline__ void store_tile(const Params4& P, const float (&acc)[S][BN / 2], int e, int row0, int rows,
                                            int n0, uint8_t* smem, int tid, Sync sync) {
+  constexpr int kRowsCta = kRows * S;
+  constexpr int kStride = kRowsCta * 2 + 16;  // staging row (bytes)
   const int N = P.N;
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   sync();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = wg * 64 + warp * 16 + g + 8 * h;
-    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
+  for (int sl = 0; sl < S; ++sl)
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
+    for (int h = 0; h < 2; ++h) {
+      const int r = wg * 64 * S + sl * 64 + warp * 16 + g + 8 * h;
+      const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int tok = 8 * i + 2 * t + q;
-        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
-      }
-  }
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int tok = 8 * i + 2 * t + q;
+          *reinterpret_cast<__nv_bfloat16*>(smem + tok * kStride + r * 2) = __float2bfloat16_rn(acc[sl][4 * i + 2 * h + q] + b);
+        }
+    }
   sync();
-  constexpr int kChunks = kRows / 8;  // 16-byte chunks of an output row
+  constexpr int kChunks = kRowsCta / 8;  // 16-byte chunks of an output row
   for (int ch = tid; ch < BN * kChunks; ch += kThreadsHere) {
     const int tok = ch / kChunks, cc = ch % kChunks;
     if (tok < rows && n0 + cc * 8 < N)
       *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
-          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
+          *reinterpret_cast<const uint4*>(smem + tok * kStride + cc * 16);
   }
 }
 
@@ -553,7 +558,8 @@ __device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int row
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
   cp_async_wait<0>();
-  store_tile<BN, kThreads>(P, acc, e, row0, rows, n0, smem, tid, [] { __syncthreads(); });  // the ring: the staging
+  store_tile<BN, kThreads, 1>(P, reinterpret_cast<const float(&)[1][kAcc]>(acc), e, row0, rows, n0, smem, tid,
+                              [] { __syncthreads(); });  // the ring: the staging
 }
 
 // Grid: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
@@ -594,20 +600,32 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
 // five on some scheduler), so tiles hold at most kWsMaxTokens token rows (a producer warpgroup
 // giving its registers to the consumers by setmaxnreg would leave ptxas 80).
 // ---------------------------------------------------------------------------------------------
-constexpr int kWsThreads = 288;           // two consumer warpgroups (warps 0-7) + a producer warp
-constexpr int kWsScaleBytes = kRows * 2;  // one stage's scale words: 16 bits per weight row
-constexpr int kWsMaxTokens = 64;
-constexpr int kWsActBytes = kWsMaxTokens * kBK * 2;  // one stage of activations (8 KB)
+constexpr int kWsThreads = 288;  // two consumer warpgroups (warps 0-7) + a producer warp
+constexpr int kWsActTokens = 96;  // activation rows a stage holds
+constexpr int kWsActBytes = kWsActTokens * kBK * 2;  // one stage of activations (12 KB)
 // Four stages: the producer's loop is unrolled over the ring, so its slots and phases are constants.
 constexpr int kWsStages = 4;
 constexpr int kWsScaleAhead = kWsStages;  // stages between a scale word's load and its store
 constexpr int64_t kWsRowsPerExpert = 48;  // run_rs4's rule (average rows per expert)
-constexpr int kWsSmem = kWsStages * (kWsActBytes + kCodeBytes + kWsScaleBytes) + 1024;
-static_assert(kWsMaxTokens * kOutStride <= kWsStages * kWsActBytes, "the epilogue's staging lies in the activation ring");
+
+// The form's shape for S slabs of 64 weight rows per consumer warpgroup (128 S rows per CTA).
+// Two slabs convert twice the weights per stage against the same waits, activation tile and
+// descriptors; their accumulators limit the tile to 48 tokens within 96 registers.
+template <int S>
+struct WsShape {
+  static constexpr int kRowsCta = kRows * S;
+  static constexpr int kCodeBytes = kRowsCta * kBK / 2;  // one stage of codes
+  static constexpr int kScaleBytes = kRowsCta * 2;       // one stage's scale words: 16 bits per row
+  static constexpr int kMaxTokens = S == 1 ? 96 : 32;
+  static constexpr int kSmem = kWsStages * (kWsActBytes + kCodeBytes + kScaleBytes) + 1024;
+  // The epilogue's staging lies in the activation and code rings (contiguous).
+  static_assert(kMaxTokens * (kRowsCta * 2 + 16) <= kWsStages * (kWsActBytes + kCodeBytes), "staging");
+  static_assert(kMaxTokens <= kWsActTokens && kRowsCta <= 256, "one TMA box per stage and operand");
+};
 
 struct Ws4Params {
-  CUtensorMap codes;   // [E][N][K / 2] bytes; box (32, kRows, 1), no swizzle
-  CUtensorMap act[4];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
+  CUtensorMap codes;   // [E][N][K / 2] bytes; box (32, 128 S, 1), no swizzle
+  CUtensorMap act[kWsActTokens / 16];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
   Params4 P;
 };
 
@@ -619,44 +637,53 @@ __device__ __forceinline__ uint32_t lds16(uint32_t a) {
   asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a));
   return v;
 }
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
 
 // The full barrier's arrivals: the TMA's expect-tx arrive and the producer lanes' scale words.
 constexpr int kWsFullArrivals = 1 + 32;
+// The empty barrier's: every consumer thread (no warp vote or election per stage).
+constexpr int kWsEmptyArrivals = 256;
 
 // The producer warp: stages 0 .. KT - 1 of the tile into ring slots kt % kWsStages, each by two TMA
-// boxes (the codes, 32 bytes of each of the 128 rows; the tile's activation rows, one box of its
-// width) and the 128 rows' scale words.
-template <Codes C>
+// boxes (the codes, 32 bytes of each of the 128 S rows; the tile's activation rows, one box of its
+// width) and the rows' scale words.
+template <Codes C, int S>
 __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, int bn, int n0, uint32_t base,
                                            uint32_t bar_full, uint32_t bar_empty) {
+  using Sh = WsShape<S>;
+  constexpr int kWords = 4 * S;  // scale words per lane: rows lane + 32 q
   const Params4& P = W.P;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int N = P.N, K = P.K, KT = K / kBK;
-  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * kCodeBytes;
-  // The scale words of this lane's rows lane + 32 q: uint4, the group's bf16 scale; e2m1, the two
-  // 32-k groups' e8m0 bytes of the stage (an even index: K / 32 is even).
+  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * Sh::kCodeBytes;
+  // The scale words of this lane's rows: uint4, the group's bf16 scale; e2m1, the two 32-k groups'
+  // e8m0 bytes of the stage (an even index: K / 32 is even).
   const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
-  const uint8_t* srow[4];
+  const uint8_t* srow[kWords];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
+  for (int q = 0; q < kWords; ++q) {
     const int64_t n = min(n0 + lane + 32 * q, N - 1);
     srow[q] = static_cast<const uint8_t*>(P.scale) + (static_cast<int64_t>(e) * N + n) * scols * (C == Codes::kE2M1 ? 1 : 2);
   }
-  auto scale_words = [&](int kt, uint32_t (&dst)[4]) {
+  auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) {
     const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
     const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(srow[q] + off));
+    for (int q = 0; q < kWords; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(srow[q] + off));
   };
   // The scale words travel kWsScaleAhead stages ahead in a ring of register slots whose index is a
   // compile-time constant (the stage loop unrolled over the ring): a slot is stored, then reloaded
   // for stage kt + kWsScaleAhead. A loop-carried copy (next -> cur) would make each stage wait for
   // the load it had just issued (the register move waits on its scoreboard).
-  uint32_t ring[kWsScaleAhead][4];
+  uint32_t ring[kWsScaleAhead][kWords];
 #pragma unroll
   for (int j = 0; j < kWsScaleAhead; ++j) scale_words(j, ring[j]);
   const CUtensorMap* act_map = &W.act[bn / 16 - 1];
-  const uint32_t tx = static_cast<uint32_t>(kCodeBytes + bn * kBK * 2);
+  const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
   // Stage kt into slot J (= kt % kWsStages) in phase ph of the ring.
   auto stage = [&](int kt, uint32_t ph, auto slot) {
     constexpr int J = decltype(slot)::value;
@@ -664,11 +691,11 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
     mbar_wait(bar_empty + 8 * J, ph ^ 1u);
     if (lane == 0) {
       mbar_arrive_expect_tx(full, tx);
-      tma_load_3d(code0 + J * kCodeBytes, &W.codes, kt * (kBK / 2), n0, e, full);
+      tma_load_3d(code0 + J * Sh::kCodeBytes, &W.codes, kt * (kBK / 2), n0, e, full);
       tma_load_3d(act0 + J * kWsActBytes, act_map, kt * kBK, row0, 0, full);
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) sts16(sc0 + J * kWsScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
+    for (int q = 0; q < kWords; ++q) sts16(sc0 + J * Sh::kScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
     mbar_arrive(full);  // release: the scale words above are visible to the waiters
     scale_words(kt + kWsScaleAhead, ring[J]);
   };
@@ -682,87 +709,153 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
   }
 }
 
-// A consumer warpgroup's part of the tile (wg 0 / 1: weight rows [64 wg, + 64)), on the mainloop of
-// width BN, then (both groups) the epilogue.
-template <Codes C, int BN>
+// A consumer warpgroup's part of the tile (wg 0 / 1: weight rows [64 S wg, + 64 S), S slabs of 64),
+// on the mainloop of width BN, then (both groups) the epilogue. The A fragments are converted and
+// double-buffered per k16 step rather than per stage (two fragments of 4 registers per slab): the
+// conversion of step j + 1 overlaps the MMAs of step j, and a stage goes back to the producer once
+// the next stage's first MMAs are issued (its last ones then done). Same k order and rounding as
+// gemm4_kernel: the same bits.
+template <Codes C, int BN, int S>
 __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, int rows, int n0, uint8_t* smem,
                                            uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
+  using Sh = WsShape<S>;
   constexpr int kAcc = BN / 2;
-  constexpr bool kDouble = BN <= 96;
   const int KT = P.K / kBK;
-  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * kCodeBytes;
+  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * Sh::kCodeBytes;
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  auto my_row = [&](int h) { return wg * 64 + warp * 16 + g + 8 * h; };
+  const int row00 = wg * 64 * S + warp * 16 + g;  // row (sl, h): row00 + 64 sl + 8 h
+  const uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, sc_t = sc0 + row00 * 2;
 
-  float acc[kAcc];
-  uint32_t afrag[kDouble ? 2 : 1][4][4];
+  float acc[S][kAcc];
+  uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
 
-  auto step = [&](int kt, auto buf) {
-    constexpr int A = kDouble ? decltype(buf)::value : 0;
-    const int s = kt % kWsStages;
-    mbar_wait(bar_full + 8 * s, static_cast<uint32_t>(kt / kWsStages) & 1u);
-    uint32_t words[2][2], sc[2], f2[2];
+  auto step = [&](int kt) {
+    const uint32_t ukt = static_cast<uint32_t>(kt);
+    const uint32_t s = ukt % kWsStages;
+    mbar_wait(bar_full + 8 * s, (ukt / kWsStages) & 1u);
+    uint32_t f1[S][2], f2[S][2];
+    bool two = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      decode::lds64(words[h], code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
-      const uint32_t sw = lds16(sc0 + s * kWsScaleBytes + my_row(h) * 2);
-      sc[h] = C == Codes::kE2M1 ? (sw >> (8 * (t >> 1))) & 0xffu : sw;  // e2m1: this lane's 32-k group
-    }
-    apply_second_factor(convert_codes<C>(words, sc, afrag[A], f2), f2, afrag[A]);
-    mma_tile<BN, kDouble, A>(acc, afrag, act0 + s * kWsActBytes, kt > 0);
-    // Double buffer: tile kt - 1's MMAs are done, its stage goes back to the producer. Single: this tile's.
-    const int done = kDouble ? kt - 1 : kt;
-    if (done >= 0) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * (done % kWsStages));
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t sw = lds16(sc_t + s * Sh::kScaleBytes + (64 * sl + 8 * h) * 2);
+        if constexpr (C == Codes::kE2M1) {
+          bool tw;
+          fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
+          two |= tw;
+        } else {
+          f1[sl][h] = sw * 0x10001u;
+          f2[sl][h] = 0x3f803f80u;  // 1.0
+          two |= sw == 0u;
+        }
+      }
+    // As in apply_second_factor: the second e8m0 factor only on a vote (uint4: on a zero scale,
+    // factor 1.0), and the branch keeps the conversion before wgmma.fence.
+    const bool any_two = __any_sync(0xffffffffu, two);
+    const uint32_t dlo = smem_desc_lo(act0 + s * kWsActBytes);
+    uint32_t words[S][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int B = j & 1;
+      if ((j & 1) == 0) {  // word j / 2 of each row's 8 bytes: k16 steps j and j + 1
+#pragma unroll
+        for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) words[sl][h] = lds32(code_t + s * Sh::kCodeBytes + (64 * sl + 8 * h) * (kBK / 2) + 4 * (j >> 1));
+      }
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // Pair p of the word: nibbles p and p + 4 -> k16 step 2 (word) + (p >> 1), slot p & 1.
+          if ((j & 1) == 0) {
+            frag[B][sl][0 + h] = pair<C, 0>(words[sl][h], f1[sl][h]);
+            frag[B][sl][2 + h] = pair<C, 1>(words[sl][h], f1[sl][h]);
+          } else {
+            frag[B][sl][0 + h] = pair<C, 2>(words[sl][h], f1[sl][h]);
+            frag[B][sl][2 + h] = pair<C, 3>(words[sl][h], f1[sl][h]);
+          }
+        }
+      if (any_two) {
+#pragma unroll
+        for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) frag[B][sl][r] = hmul2<false>(frag[B][sl][r], f2[sl][r & 1]);
+      }
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) fence_reg(frag[B][sl][r]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl) Mma<BN>::run(acc[sl], frag[B][sl], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // step j - 1's MMAs are done: its fragment registers are free
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) fence_reg(frag[B ^ 1][sl][r]);
+      // At step 0 the previous stage's last MMAs are done: it goes back to the producer.
+      if (j == 0 && kt > 0) mbar_arrive(bar_empty + 8 * ((ukt + kWsStages - 1) % kWsStages));
     }
   };
-  for (int kt = 0; kt < KT; kt += 2) {
-    step(kt, std::integral_constant<int, 0>{});
-    if (kt + 1 < KT) step(kt + 1, std::integral_constant<int, 1>{});
-  }
+  for (int kt = 0; kt < KT; ++kt) step(kt);
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
-  // Every stage has landed and been read: the activation ring becomes the output staging once
-  // both consumer groups are past their MMAs (named barrier 1: the 256 consumer threads).
-  store_tile<BN, 256>(P, acc, e, row0, rows, n0, smem, tid, [] { asm volatile("bar.sync 1, 256;\n" ::: "memory"); });
+  for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+  // Every stage has landed and been read: the rings become the output staging once both consumer
+  // groups are past their MMAs (named barrier 1: the 256 consumer threads).
+  store_tile<BN, 256, S>(P, acc, e, row0, rows, n0, smem, tid, [] { asm volatile("bar.sync 1, 256;\n" ::: "memory"); });
 }
 
-// Grid as gemm4_kernel's: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
-template <Codes C>
+// Grid: x = N tiles of 128 S weight rows, y = tile-list entries (extra ones return).
+template <Codes C, int S>
 __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_constant__ Ws4Params W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  using Sh = WsShape<S>;
   const Params4& P = W.P;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * kWsStages];  // full[kWsStages], empty[kWsStages]
   const int tile_idx = static_cast<int>(blockIdx.y);
   if (tile_idx >= __ldg(P.count)) return;
   const int4 tile = P.tiles[tile_idx];
-  const int n0 = static_cast<int>(blockIdx.x) * kRows;
+  const int n0 = static_cast<int>(blockIdx.x) * Sh::kRowsCta;
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
   uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kWsStages]);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWsStages; ++s) {
       mbar_init(bar_full + 8 * s, kWsFullArrivals);
-      mbar_init(bar_empty + 8 * s, 8);      // the consumer warps
+      mbar_init(bar_empty + 8 * s, kWsEmptyArrivals);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  const int bn = min((tile.z + 15) >> 4, kWsMaxTokens / 16) * 16;
+  const int bn = min((tile.z + 15) >> 4, Sh::kMaxTokens / 16) * 16;
   if (threadIdx.x >= 256) {
-    ws_produce<C>(W, tile.x, tile.y, bn, n0, base, bar_full, bar_empty);
+    ws_produce<C, S>(W, tile.x, tile.y, bn, n0, base, bar_full, bar_empty);
     return;
   }
+  // The widths up to the form's tile (each instantiated only where it fits the registers).
+  auto consume = [&](auto width) {
+    constexpr int BN = decltype(width)::value;
+    if constexpr (BN <= Sh::kMaxTokens) ws_consume<C, BN, S>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty);
+  };
   switch (bn >> 4) {
-    case 1: ws_consume<C, 16>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
-    case 2: ws_consume<C, 32>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
-    case 3: ws_consume<C, 48>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
-    default: ws_consume<C, 64>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty); break;
+    case 1: consume(std::integral_constant<int, 16>{}); break;
+    case 2: consume(std::integral_constant<int, 32>{}); break;
+    case 3: consume(std::integral_constant<int, 48>{}); break;
+    case 4: consume(std::integral_constant<int, 64>{}); break;
+    case 5: consume(std::integral_constant<int, 80>{}); break;
+    default: consume(std::integral_constant<int, 96>{}); break;
   }
 #else
   __trap();
@@ -770,20 +863,21 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
 }
 
 // The tensor maps of a launch; an error message, or empty.
-std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R) {
+std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R,
+                           int rows_cta) {
   auto encode = tensor_map_encoder();
   if (encode == nullptr) return "cuTensorMapEncodeTiled is not available";
   {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(E)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(K / 2) * static_cast<cuuint64_t>(N)};
-    const cuuint32_t box[3] = {kBK / 2, kRows, 1}, estrides[3] = {1, 1, 1};
+    const cuuint32_t box[3] = {kBK / 2, static_cast<cuuint32_t>(rows_cta), 1}, estrides[3] = {1, 1, 1};
     if (encode(&W.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(codes), dims, strides, box, estrides,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return "cuTensorMapEncodeTiled failed for the codes";
   }
   // One map per tile width (16, 32, 48, 64 rows): a stage's activations are one box.
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kWsActTokens / 16; ++i) {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R), 1};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K) * 2, static_cast<cuuint64_t>(K) * 2 * static_cast<cuuint64_t>(R)};
     const cuuint32_t box[3] = {kBK, static_cast<cuuint32_t>(16 * (i + 1)), 1}, estrides[3] = {1, 1, 1};
@@ -814,10 +908,10 @@ std::string prepare_device(int device) {
 }
 
 // The workspace from its (128-byte aligned) base: the tile count (128 bytes), the tile list (at most
-// R / 64 + E + 1 entries of 16 bytes, a bound with room to spare: each expert adds at most one tile
+// R / 32 + E + 1 entries of 16 bytes, a bound with room to spare: each expert adds at most one tile
 // beyond R / kMaxTokens), then the permuted activations from act_offset, 128-byte aligned.
 size_t act_offset(int64_t R, int64_t E) {
-  const size_t list = static_cast<size_t>((R + 63) / 64 + E + 1) * 16;
+  const size_t list = static_cast<size_t>((R + 31) / 32 + E + 1) * 16;
   return (128 + list + 127) / 128 * 128;
 }
 
@@ -830,14 +924,17 @@ size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
-  // The warp-specialized form up to kWsRowsPerExpert rows per expert on average: its tiles hold at
-  // most 64 rows, so above that more experts take two passes over their weights.
-  // It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails where
-  // HUMMING_JAX_PREFILL_RS4_WS=1 forces it without one; =0: never; Python rejects other values).
+  // The warp-specialized form (one slab per warpgroup) up to kWsRowsPerExpert rows per expert on
+  // average: its tiles hold at most 64 rows, so above that more experts take two passes over their
+  // weights. It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails
+  // where HUMMING_JAX_PREFILL_RS4_WS forces it without one). HUMMING_JAX_PREFILL_RS4_WS=1 / =2:
+  // the form with one / two slabs always (A/B), =0: never; Python rejects other values.
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
-  const bool warp_specialized =
-      ws_switch == 1 || (ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr);
-  const int max_tokens = warp_specialized ? kWsMaxTokens : kMaxTokens;
+  const int ws_slabs = ws_switch == 1 || ws_switch == 2 ? static_cast<int>(ws_switch)
+                       : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr ? 1
+                                                                                                               : 0;
+  const bool warp_specialized = ws_slabs > 0;
+  const int max_tokens = ws_slabs == 1 ? WsShape<1>::kMaxTokens : ws_slabs == 2 ? WsShape<2>::kMaxTokens : kMaxTokens;
   const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
@@ -884,21 +981,27 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.count = count;
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
-  const dim3 grid(static_cast<unsigned>((g.N + kRows - 1) / kRows), static_cast<unsigned>(max_tiles));
+  const int rows_cta = warp_specialized ? kRows * ws_slabs : kRows;
+  const dim3 grid(static_cast<unsigned>((g.N + rows_cta - 1) / rows_cta), static_cast<unsigned>(max_tiles));
   if (warp_specialized) {
     Ws4Params W{};
     W.P = P;
-    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R);
+    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, rows_cta);
     if (!e.empty()) return e;
-    // The kernel's two forms (codes format), each raising its limit once.
-    auto launch = [&](auto kernel, unsigned& configured) {
-      if (!decode::raise_smem_limit_once(kernel, kWsSmem, true, configured)) return false;
-      kernel<<<grid, kWsThreads, kWsSmem, stream>>>(W);
+    // The kernel's four forms (codes format x slabs), each raising its limit once.
+    auto launch = [&](auto kernel, int smem, unsigned& configured) {
+      if (!decode::raise_smem_limit_once(kernel, smem, true, configured)) return false;
+      kernel<<<grid, kWsThreads, smem, stream>>>(W);
       return true;
     };
-    static unsigned configured[2] = {0, 0};
-    const bool ok = codes == Codes::kE2M1 ? launch(gemm4_ws_kernel<Codes::kE2M1>, configured[0])
-                                          : launch(gemm4_ws_kernel<Codes::kU4>, configured[1]);
+    static unsigned configured[4] = {0, 0, 0, 0};
+    bool ok;
+    if (ws_slabs == 1)
+      ok = codes == Codes::kE2M1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 1>, WsShape<1>::kSmem, configured[0])
+                                 : launch(gemm4_ws_kernel<Codes::kU4, 1>, WsShape<1>::kSmem, configured[1]);
+    else
+      ok = codes == Codes::kE2M1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 2>, WsShape<2>::kSmem, configured[2])
+                                 : launch(gemm4_ws_kernel<Codes::kU4, 2>, WsShape<2>::kSmem, configured[3]);
     if (!ok) return std::string("gemm4_ws_kernel: ") + cudaGetErrorString(cudaGetLastError());
     err = cudaGetLastError();
     return err == cudaSuccess ? std::string() : std::string("gemm4_ws_kernel: ") + cudaGetErrorString(err);

@@ -400,9 +400,9 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, monkeypatch, scheme, m, k, e, n, kdim,
                                                                        kind, bias, group_k):
-    """HUMMING_JAX_PREFILL_RS4_WS=1: the warp-specialized form of the 4-bit mainloop (tiles of at
-    most 64 tokens, loads by TMA) equals the CPU, and the plain mainloop bit for bit (each output's
-    sum runs over k in the same MMA order)."""
+    """HUMMING_JAX_PREFILL_RS4_WS=1 / 2: the warp-specialized form of the 4-bit mainloop (loads by
+    TMA; one weight slab per warpgroup and tiles of at most 96 tokens, or two and 32) equals the
+    CPU, and the plain mainloop bit for bit (each output's sum runs over k in the same MMA order)."""
     for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "0")
@@ -410,9 +410,10 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
     what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
     plain, _ = _prefill_once_matches_cpu(p, what, "4-bit prefill")
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "1")
-    got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized", "4-bit prefill")
-    np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form differs")
+    for form in ("1", "2"):  # one / two weight slabs per warpgroup
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, form)
+        got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {form}", "4-bit prefill")
+        np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
 
 
 # Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of

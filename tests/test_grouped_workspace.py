@@ -244,7 +244,7 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     w = _mxfp4(rng, e, n, k)
     for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.fp4_prefill(rows, w, jnp.bfloat16, False), rows
-        tiles = -(-rows // 64) + e + 1
+        tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
     declined = {
@@ -283,7 +283,7 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
         assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False), rows
         assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
-        tiles = -(-rows // 64) + e + 1
+        tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
     wide = gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e
     assert not gemm_ops.u4rs_prefill(wide, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(wide, w, jnp.bfloat16, False)
@@ -325,7 +325,7 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
     assert gemm_ops.prefill_min_rows_per_expert() == 1
     for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
         assert take(rows, w, jnp.bfloat16, False) and not take(e - 1, w, jnp.bfloat16, False)
-        tiles = -(-rows // 64) + e + 1
+        tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
     assert GROUPED_MIN_ROWS_PER_EXPERT == gemm_ops.MIN_ROWS_PER_EXPERT
     for bad in ("0", "-3"):  # not a count: the built-in threshold
@@ -341,7 +341,7 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
 
 
 def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_RS4_WS takes 0 or 1 (or nothing); any other value fails where the 4-bit
+    """$HUMMING_JAX_PREFILL_RS4_WS takes 0, 1 or 2 (or nothing); any other value fails where the 4-bit
     mainloop's workspace is sized, and the workspace is the same for both forms."""
     for var in (gemm_ops.ENV_PREFILL_MIN_ROWS, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
                 gemm_ops.ENV_PREFILL_MIXED, gemm_ops.ENV_PREFILL_RS4_WS):
@@ -351,11 +351,11 @@ def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, mon
     for w in (_int4(rng, e, n, k), _mxfp4(rng, e, n, k)):
         unset = gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
         assert unset > rows * k * 2
-        for good in ("0", "1", " +1"):
+        for good in ("0", "1", "2", " +1"):
             monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, good)
             assert gemm_ops.rs4_warp_specialized_switch() == int(good)
             assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == unset
-        for bad in ("2", "-1", "yes", "1 ", "0x1"):
+        for bad in ("3", "-1", "yes", "1 ", "0x1"):
             monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, bad)
             with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_RS4_WS"):
                 gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)

@@ -322,7 +322,7 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
             and jnp.dtype(act_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and n % 8 == 0 and e > 0
             and prefill_min_rows_per_expert() * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
-            and -(-rows // 64) + e + 1 <= 65535)
+            and -(-rows // 32) + e + 1 <= 65535)
 
 
 # uint4 calls of the mixed-input kinds whose scale groups are whole 64-k tiles (or span K), K a
@@ -349,21 +349,23 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
     e, k = w.num_experts, w.k
     return (_mixed_input_fits(rows, w, act_dtype, act_quantized) and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and (w.group_k % 64 == 0 or w.group_k >= k)
-            and rows < u4rs_max_rows_per_expert() * e and -(-rows // 64) + e + 1 <= 65535)
+            and rows < u4rs_max_rows_per_expert() * e and -(-rows // 32) + e + 1 <= 65535)
 
 
 # The 4-bit mainloop's warp-specialized form (cuda_ffi/gemm_prefill_sm90_4bit.cu, gemm4_ws_kernel:
-# a producer warp loading by TMA, tiles of at most 64 token rows). $HUMMING_JAX_PREFILL_RS4_WS=1
-# takes it for every call of the mainloop, =0 never; unset, the CUDA handler's rule (run_rs4). Read
+# a producer warp loading by TMA, tiles of at most 96 token rows; 32 with two weight slabs per
+# warpgroup). $HUMMING_JAX_PREFILL_RS4_WS=1 (=2: two slabs) takes it for every call of the
+# mainloop, =0 never; unset, the CUDA handler's rule (run_rs4). Read
 # when the call is traced, as by the CUDA handler at each call.
 ENV_PREFILL_RS4_WS = "HUMMING_JAX_PREFILL_RS4_WS"
 
 
 def rs4_warp_specialized_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_RS4_WS as 0 or 1, None when unset; any other value is an error."""
-    value = _env_int(ENV_PREFILL_RS4_WS, "0 or 1")
-    if value not in (None, 0, 1):
-        raise ValueError(f"{ENV_PREFILL_RS4_WS} = {os.environ[ENV_PREFILL_RS4_WS]!r} is not 0 or 1")
+    """$HUMMING_JAX_PREFILL_RS4_WS as 0, 1 or 2 (the form with one or two weight slabs per warpgroup),
+    None when unset; any other value is an error."""
+    value = _env_int(ENV_PREFILL_RS4_WS, "0, 1 or 2")
+    if value not in (None, 0, 1, 2):
+        raise ValueError(f"{ENV_PREFILL_RS4_WS} = {os.environ[ENV_PREFILL_RS4_WS]!r} is not 0, 1 or 2")
     return value
 
 
@@ -376,8 +378,8 @@ def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantize
             or u4rs_prefill(rows, w, act_dtype, act_quantized, out_dtype)):
         return 0
     rs4_warp_specialized_switch()  # a malformed switch fails here, not as another kernel there
-    # Tiles of at most 64 rows (either form): at most rows / 64 + E + 1 list entries.
-    tile_list = (-(-rows // 64) + w.num_experts + 1) * 16
+    # Tiles of at least 32 rows' capacity (the two-slab form's): at most rows / 32 + E + 1 list entries.
+    tile_list = (-(-rows // 32) + w.num_experts + 1) * 16
     return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2
 
 

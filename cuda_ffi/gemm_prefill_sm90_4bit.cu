@@ -31,7 +31,7 @@
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
 //  * At up to 48 rows per expert on average, a warp-specialized form of the same tile (tiles of at
-//    most 64 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
+//    most 96 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
 //    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -594,11 +594,12 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
 // the consumers read above), one box of the tile's activation rows x 64 k (128-byte swizzle, the B
 // operand's layout above; rows past R zero, rows past the tile's never stored) and the 128 rows'
 // 16-bit scale words (loaded kWsScaleAhead stages ahead, stored to shared memory), all completing
-// one mbarrier. The two consumer warpgroups wait on it, convert and issue the MMAs as above (same
-// k order and rounding: the same bits), and release the stage on a second mbarrier once its MMAs
-// are done. The producer is a ninth warp; two CTAs per SM leave 96 registers a thread (18 warps,
-// five on some scheduler), so tiles hold at most kWsMaxTokens token rows (a producer warpgroup
-// giving its registers to the consumers by setmaxnreg would leave ptxas 80).
+// one mbarrier. The two consumer warpgroups wait on it, convert and issue the MMAs in the same k
+// order and rounding as above (the same bits), one k16 step at a time, and release the stage on a
+// second mbarrier once its MMAs are done. The producer is a ninth warp; two CTAs per SM leave 96
+// registers a thread (18 warps, five on some scheduler; a producer warpgroup giving its registers
+// to the consumers by setmaxnreg would leave ptxas 80), which bounds the tile: 96 tokens with one
+// 64-row slab per warpgroup, 32 with two (WsShape).
 // ---------------------------------------------------------------------------------------------
 constexpr int kWsThreads = 288;  // two consumer warpgroups (warps 0-7) + a producer warp
 constexpr int kWsActTokens = 96;  // activation rows a stage holds
@@ -756,27 +757,35 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
     // factor 1.0), and the branch keeps the conversion before wgmma.fence.
     const bool any_two = __any_sync(0xffffffffu, two);
     const uint32_t dlo = smem_desc_lo(act0 + s * kWsActBytes);
-    uint32_t words[S][2];
+    // Each row's 8 code bytes of the stage: word w feeds k16 steps 2 w and 2 w + 1. One slab reads
+    // both words at once (one 8-byte load, conflict-free); two read a word at a time (registers).
+    uint32_t words[S][2][2];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int B = j & 1;
-      if ((j & 1) == 0) {  // word j / 2 of each row's 8 bytes: k16 steps j and j + 1
+      const int B = j & 1, w = j >> 1;
+      if (S == 1 ? j == 0 : (j & 1) == 0) {
 #pragma unroll
         for (int sl = 0; sl < S; ++sl)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) words[sl][h] = lds32(code_t + s * Sh::kCodeBytes + (64 * sl + 8 * h) * (kBK / 2) + 4 * (j >> 1));
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t a = code_t + s * Sh::kCodeBytes + (64 * sl + 8 * h) * (kBK / 2);
+            if constexpr (S == 1)
+              decode::lds64(words[sl][h], a);
+            else
+              words[sl][h][w] = lds32(a + 4 * w);
+          }
       }
 #pragma unroll
       for (int sl = 0; sl < S; ++sl)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          // Pair p of the word: nibbles p and p + 4 -> k16 step 2 (word) + (p >> 1), slot p & 1.
+          // Pair p of the word: nibbles p and p + 4 -> k16 step 2 w + (p >> 1), slot p & 1.
           if ((j & 1) == 0) {
-            frag[B][sl][0 + h] = pair<C, 0>(words[sl][h], f1[sl][h]);
-            frag[B][sl][2 + h] = pair<C, 1>(words[sl][h], f1[sl][h]);
+            frag[B][sl][0 + h] = pair<C, 0>(words[sl][h][w], f1[sl][h]);
+            frag[B][sl][2 + h] = pair<C, 1>(words[sl][h][w], f1[sl][h]);
           } else {
-            frag[B][sl][0 + h] = pair<C, 2>(words[sl][h], f1[sl][h]);
-            frag[B][sl][2 + h] = pair<C, 3>(words[sl][h], f1[sl][h]);
+            frag[B][sl][0 + h] = pair<C, 2>(words[sl][h][w], f1[sl][h]);
+            frag[B][sl][2 + h] = pair<C, 3>(words[sl][h][w], f1[sl][h]);
           }
         }
       if (any_two) {

@@ -243,7 +243,7 @@ struct Mma<128> {
 // Setup: the tile list, and the rows past the last expert as zeros. Block 0 writes the list (a
 // block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
 // share of the zero tail. An expert's rows are split into ceil(rows / max_tokens) near-equal tiles
-// (kMaxTokens, or kWsMaxTokens for the warp-specialized form).
+// (kMaxTokens, or the warp-specialized form's WsShape<S>::kMaxTokens).
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* offsets, int E, int R, int max_tokens,
                                                                   int4* tiles, int* count, __nv_bfloat16* c, int64_t N) {

@@ -406,15 +406,17 @@ __device__ __forceinline__ void mma_tile(float (&acc)[BN / 2], uint32_t (&afrag)
     for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
 }
 
-// The epilogue of a tile of S slabs of 64 weight rows per warpgroup (128 S rows per CTA): acc[sl][4 i
-// + q] (weight row wg * 64 S + sl * 64 + warp * 16 + g + 8 (q >> 1), token 8 i + 2 t + (q & 1))
-// plus the expert's bias, rounded to bf16 and staged in shared memory, then stored as 16-byte row
-// chunks by the `threads` threads of tid; sync() is the barrier among them (the staging overwrites
-// the ring, so every MMA of the tile must be done before the first one).
-template <int BN, int kThreadsHere, int S, typename Sync>
-__device__ __forceinline__ void store_tile(const Params4& P, const float (&acc)[S][BN / 2], int e, int row0, int rows,
+// The epilogue of a tile of S slabs of 64 weight rows per warpgroup, for the kThreadsHere / 128
+// warpgroups that share it (64 S of them rows from n0): acc[sl][4 i + q] (weight row wg * 64 S +
+// sl * 64 + warp * 16 + g + 8 (q >> 1), token 8 i + 2 t + (q & 1)) plus the expert's bias, rounded
+// to bf16 and staged in shared memory, then stored as 16-byte row chunks by the kThreadsHere
+// threads of tid; sync() is the barrier among them (where the staging overwrites the ring, every MMA
+// of the tile must be done before the first one).
+template <int BN, int kThreadsHere, int S, int AW, typename Sync>
+__device__ __forceinline__ void store_tile(const Params4& P, const float (&acc)[S][AW], int e, int row0, int rows,
                                            int n0, uint8_t* smem, int tid, Sync sync) {
-  constexpr int kRowsCta = kRows * S;
+  static_assert(AW >= BN / 2, "accumulators");
+  constexpr int kRowsCta = kThreadsHere / 128 * 64 * S;
   constexpr int kStride = kRowsCta * 2 + 16;  // staging row (bytes)
   const int N = P.N;
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -710,12 +712,97 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
   }
 }
 
+// One stage of a consumer warpgroup's S slabs of 64 weight rows: the codes at code_s (this thread's
+// first row's 8 bytes in the stage's slot), the scale words at sc_s (likewise), the activations at
+// act_s. The A fragments are converted and double-buffered per k16 step rather than per stage (two
+// fragments of 4 registers per slab): the conversion of step j + 1 overlaps the MMAs of step j.
+// At step 0 the previous stage's last MMAs are done, and the empty barrier `release` (0: none) gets
+// this thread's arrival. Same k order and rounding as gemm4_kernel: the same bits.
+template <Codes C, int BN, int S, int AW = BN / 2>
+__device__ __forceinline__ void ws_stage(float (&acc)[S][AW], uint32_t (&frag)[2][S][4], uint32_t code_s,
+                                         uint32_t sc_s, uint32_t act_s, int t, bool accumulate, uint32_t release) {
+  constexpr int kAcc = BN / 2;
+  uint32_t f1[S][2], f2[S][2];
+  bool two = false;
+#pragma unroll
+  for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t sw = lds16(sc_s + (64 * sl + 8 * h) * 2);
+      if constexpr (C == Codes::kE2M1) {
+        bool tw;
+        fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
+        two |= tw;
+      } else {
+        f1[sl][h] = sw * 0x10001u;
+        f2[sl][h] = 0x3f803f80u;  // 1.0
+        two |= sw == 0u;
+      }
+    }
+  // As in apply_second_factor: the second e8m0 factor only on a vote (uint4: on a zero scale,
+  // factor 1.0), and the branch keeps the conversion before wgmma.fence.
+  const bool any_two = __any_sync(0xffffffffu, two);
+  const uint32_t dlo = smem_desc_lo(act_s);
+  // Each row's 8 code bytes of the stage: word w feeds k16 steps 2 w and 2 w + 1. One slab reads
+  // both words at once (one 8-byte load, conflict-free); two read a word at a time (registers).
+  uint32_t words[S][2][2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int B = j & 1, w = j >> 1;
+    if (S == 1 ? j == 0 : (j & 1) == 0) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t a = code_s + (64 * sl + 8 * h) * (kBK / 2);
+          if constexpr (S == 1)
+            decode::lds64(words[sl][h], a);
+          else
+            words[sl][h][w] = lds32(a + 4 * w);
+        }
+    }
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Pair p of the word: nibbles p and p + 4 -> k16 step 2 w + (p >> 1), slot p & 1.
+        if ((j & 1) == 0) {
+          frag[B][sl][0 + h] = pair<C, 0>(words[sl][h][w], f1[sl][h]);
+          frag[B][sl][2 + h] = pair<C, 1>(words[sl][h][w], f1[sl][h]);
+        } else {
+          frag[B][sl][0 + h] = pair<C, 2>(words[sl][h][w], f1[sl][h]);
+          frag[B][sl][2 + h] = pair<C, 3>(words[sl][h][w], f1[sl][h]);
+        }
+      }
+    if (any_two) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) frag[B][sl][r] = hmul2<false>(frag[B][sl][r], f2[sl][r & 1]);
+    }
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(frag[B][sl][r]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+      Mma<BN>::run(reinterpret_cast<float(&)[BN / 2]>(acc[sl]), frag[B][sl], smem_desc(dlo + 2 * j), accumulate || j > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // step j - 1's MMAs are done: its fragment registers are free
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(frag[B ^ 1][sl][r]);
+    if (j == 0 && release != 0u) mbar_arrive(release);
+  }
+}
+
 // A consumer warpgroup's part of the tile (wg 0 / 1: weight rows [64 S wg, + 64 S), S slabs of 64),
-// on the mainloop of width BN, then (both groups) the epilogue. The A fragments are converted and
-// double-buffered per k16 step rather than per stage (two fragments of 4 registers per slab): the
-// conversion of step j + 1 overlaps the MMAs of step j, and a stage goes back to the producer once
-// the next stage's first MMAs are issued (its last ones then done). Same k order and rounding as
-// gemm4_kernel: the same bits.
+// on the mainloop of width BN (ws_stage), then (both groups) the epilogue.
 template <Codes C, int BN, int S>
 __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, int rows, int n0, uint8_t* smem,
                                            uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
@@ -731,90 +818,13 @@ __device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, in
 
   float acc[S][kAcc];
   uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
-
-  auto step = [&](int kt) {
+  for (int kt = 0; kt < KT; ++kt) {
     const uint32_t ukt = static_cast<uint32_t>(kt);
     const uint32_t s = ukt % kWsStages;
     mbar_wait(bar_full + 8 * s, (ukt / kWsStages) & 1u);
-    uint32_t f1[S][2], f2[S][2];
-    bool two = false;
-#pragma unroll
-    for (int sl = 0; sl < S; ++sl)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t sw = lds16(sc_t + s * Sh::kScaleBytes + (64 * sl + 8 * h) * 2);
-        if constexpr (C == Codes::kE2M1) {
-          bool tw;
-          fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
-          two |= tw;
-        } else {
-          f1[sl][h] = sw * 0x10001u;
-          f2[sl][h] = 0x3f803f80u;  // 1.0
-          two |= sw == 0u;
-        }
-      }
-    // As in apply_second_factor: the second e8m0 factor only on a vote (uint4: on a zero scale,
-    // factor 1.0), and the branch keeps the conversion before wgmma.fence.
-    const bool any_two = __any_sync(0xffffffffu, two);
-    const uint32_t dlo = smem_desc_lo(act0 + s * kWsActBytes);
-    // Each row's 8 code bytes of the stage: word w feeds k16 steps 2 w and 2 w + 1. One slab reads
-    // both words at once (one 8-byte load, conflict-free); two read a word at a time (registers).
-    uint32_t words[S][2][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int B = j & 1, w = j >> 1;
-      if (S == 1 ? j == 0 : (j & 1) == 0) {
-#pragma unroll
-        for (int sl = 0; sl < S; ++sl)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t a = code_t + s * Sh::kCodeBytes + (64 * sl + 8 * h) * (kBK / 2);
-            if constexpr (S == 1)
-              decode::lds64(words[sl][h], a);
-            else
-              words[sl][h][w] = lds32(a + 4 * w);
-          }
-      }
-#pragma unroll
-      for (int sl = 0; sl < S; ++sl)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // Pair p of the word: nibbles p and p + 4 -> k16 step 2 w + (p >> 1), slot p & 1.
-          if ((j & 1) == 0) {
-            frag[B][sl][0 + h] = pair<C, 0>(words[sl][h][w], f1[sl][h]);
-            frag[B][sl][2 + h] = pair<C, 1>(words[sl][h][w], f1[sl][h]);
-          } else {
-            frag[B][sl][0 + h] = pair<C, 2>(words[sl][h][w], f1[sl][h]);
-            frag[B][sl][2 + h] = pair<C, 3>(words[sl][h][w], f1[sl][h]);
-          }
-        }
-      if (any_two) {
-#pragma unroll
-        for (int sl = 0; sl < S; ++sl)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) frag[B][sl][r] = hmul2<false>(frag[B][sl][r], f2[sl][r & 1]);
-      }
-#pragma unroll
-      for (int sl = 0; sl < S; ++sl) {
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) fence_reg(frag[B][sl][r]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int sl = 0; sl < S; ++sl) Mma<BN>::run(acc[sl], frag[B][sl], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
-      wgmma_commit();
-      wgmma_wait<1>();  // step j - 1's MMAs are done: its fragment registers are free
-#pragma unroll
-      for (int sl = 0; sl < S; ++sl)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) fence_reg(frag[B ^ 1][sl][r]);
-      // At step 0 the previous stage's last MMAs are done: it goes back to the producer.
-      if (j == 0 && kt > 0) mbar_arrive(bar_empty + 8 * ((ukt + kWsStages - 1) % kWsStages));
-    }
-  };
-  for (int kt = 0; kt < KT; ++kt) step(kt);
+    ws_stage<C, BN, S>(acc, frag, code_t + s * Sh::kCodeBytes, sc_t + s * Sh::kScaleBytes, act0 + s * kWsActBytes, t,
+                       kt > 0, kt > 0 ? bar_empty + 8 * ((ukt + kWsStages - 1) % kWsStages) : 0u);
+  }
   wgmma_wait<0>();
 #pragma unroll
   for (int sl = 0; sl < S; ++sl)
@@ -865,6 +875,199 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
     case 4: consume(std::integral_constant<int, 64>{}); break;
     case 5: consume(std::integral_constant<int, 80>{}); break;
     default: consume(std::integral_constant<int, 96>{}); break;
+  }
+#else
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The persistent form (HUMMING_JAX_PREFILL_RS4_WS=3): one CTA per SM of four consumer warpgroups,
+// two 64-row slabs each (512 weight rows per CTA), and a producer warpgroup, over the work items
+// (tile-list entry x 512-row block of N) by a static stride. Against the two-CTA forms above:
+//  * a stage's activation box serves 512 weight rows instead of 128 or 256, so the activations'
+//    share of the L2 -> shared traffic falls from as much as the codes' to ~3/8 of it at 48 tokens;
+//  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 40 and 104, from the
+//    launch's 96), which lets two slabs take 48-token tiles without serialized wgmmas;
+//  * the ring runs on across items, and each warpgroup stages and stores its own 128 rows in a
+//    buffer of its own, so one item's epilogue overlaps the next item's loads.
+// The same conversion, k order and rounding as the forms above (ws_stage): the same bits.
+// ---------------------------------------------------------------------------------------------
+struct WspShape {
+  static constexpr int kSlabs = 2;
+  static constexpr int kGroups = 4;                        // consumer warpgroups
+  static constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
+  static constexpr int kRowsCta = 64 * kSlabs * kGroups;   // 512
+  static constexpr int kMaxTokens = 48;
+  static constexpr int kStages = 6;
+  static constexpr int kActBytes = kMaxTokens * kBK * 2;   // 6 KB, whole 1024-byte swizzle atoms
+  static constexpr int kCodeBytes = kRowsCta * kBK / 2;    // 16 KB: two TMA boxes of 256 rows
+  static constexpr int kScaleBytes = kRowsCta * 2;
+  static constexpr int kStageRowBytes = 64 * kSlabs * 2 + 16;                 // a warpgroup's staging row
+  static constexpr int kStagingBytes = kMaxTokens * kStageRowBytes;          // per warpgroup
+  static constexpr int kRingBytes = kStages * (kActBytes + kCodeBytes + kScaleBytes);
+  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;
+  static constexpr int kProducerRegs = 64, kConsumerRegs = 104;  // 64 x 128 + 104 x 512 <= 96 x 640
+  static constexpr int kScaleWords = kRowsCta / 128;       // per producer thread: rows p + 128 q
+  static constexpr int kFullArrivals = 1 + 128;            // the TMA's expect-tx arrive + the scale writers
+  static constexpr int kEmptyArrivals = 128 * kGroups;
+  static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 1024 == 0, "slot alignment");
+  static_assert(kSmem <= 227 * 1024, "shared memory");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 96 * kThreads, "register budget");
+};
+
+// The work items: item i of `count` tile-list entries x nb blocks of N is block i % nb of entry i / nb.
+struct WspItem {
+  int e, row0, rows, n0;
+};
+__device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb) {
+  const int4 tile = P.tiles[i / nb];
+  return WspItem{tile.x, tile.y, tile.z, (i % nb) * WspShape::kRowsCta};
+}
+
+// The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
+// run on across items). Thread 0 issues the TMA boxes (the 512 rows' codes as two boxes of 256, the
+// tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
+// kWsScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
+template <Codes C>
+__device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
+  using Sh = WspShape;
+  constexpr int kWords = Sh::kScaleWords;
+  const Params4& P = W.P;
+  const int p = static_cast<int>(threadIdx.x) - 128 * Sh::kGroups;
+  const int N = P.N, K = P.K, KT = K / kBK;
+  const int nb = (N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
+  const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
+  uint32_t slot = 0, phase = 0;
+  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, nb);
+    // The expert's scales, and this thread's rows' byte offsets in them (32 bits: an expert's scales
+    // are far below 2^32 bytes), to stay within the producer's 40 registers.
+    constexpr int kBytes = C == Codes::kE2M1 ? 1 : 2;
+    const uint8_t* sexp = static_cast<const uint8_t*>(P.scale) + static_cast<int64_t>(it.e) * N * scols * kBytes;
+    uint32_t srow[kWords];
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) srow[q] = static_cast<uint32_t>(min(it.n0 + p + 128 * q, N - 1) * scols * kBytes);
+    auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) {
+      const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
+      const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(sexp + (srow[q] + off)));
+    };
+    uint32_t ring[kWsScaleAhead][kWords];
+#pragma unroll
+    for (int j = 0; j < kWsScaleAhead; ++j) scale_words(j, ring[j]);
+    const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
+    const CUtensorMap* act_map = &W.act[bn / 16 - 1];
+    const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
+    auto stage = [&](int kt, auto ring_slot) {
+      constexpr int J = decltype(ring_slot)::value;
+      const uint32_t full = bar_full + 8 * slot;
+      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
+      if (p == 0) {
+        mbar_arrive_expect_tx(full, tx);
+        const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
+        tma_load_3d(code_s, &W.codes, kt * (kBK / 2), it.n0, it.e, full);
+        tma_load_3d(code_s + Sh::kCodeBytes / 2, &W.codes, kt * (kBK / 2), it.n0 + Sh::kRowsCta / 2, it.e, full);
+        tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
+      }
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) sts16(sc0 + slot * Sh::kScaleBytes + (p + 128 * q) * 2, ring[J][q]);
+      mbar_arrive(full);  // release: the scale words above are visible to the waiters
+      scale_words(kt + kWsScaleAhead, ring[J]);
+      if (++slot == Sh::kStages) {
+        slot = 0;
+        phase ^= 1u;
+      }
+    };
+    static_assert(kWsScaleAhead == 4, "the stage loop below unrolls over four register slots");
+    for (int kt = 0; kt < KT; kt += 4) {
+      stage(kt, std::integral_constant<int, 0>{});
+      if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
+      if (kt + 2 < KT) stage(kt + 2, std::integral_constant<int, 2>{});
+      if (kt + 3 < KT) stage(kt + 3, std::integral_constant<int, 3>{});
+    }
+  }
+}
+
+// A consumer warpgroup's part of one item (weight rows [128 wg, + 128) of the CTA's 512, two slabs)
+// on the mainloop of width BN, then its own epilogue through its staging buffer.
+template <Codes C, int BN>
+__device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it, uint8_t* staging, uint32_t base,
+                                            uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
+                                            float (&acc)[WspShape::kSlabs][WspShape::kMaxTokens / 2]) {
+  using Sh = WspShape;
+  constexpr int S = Sh::kSlabs, kAcc = BN / 2;
+  const int KT = P.K / kBK;
+  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row00 = wg * 64 * S + warp * 16 + g;  // row (sl, h): row00 + 64 sl + 8 h
+  const uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, sc_t = sc0 + row00 * 2;
+
+  uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
+  uint32_t prev = 0;       // the slot of the stage before
+  for (int kt = 0; kt < KT; ++kt) {
+    mbar_wait(bar_full + 8 * slot, phase);
+    ws_stage<C, BN, S, Sh::kMaxTokens / 2>(acc, frag, code_t + slot * Sh::kCodeBytes, sc_t + slot * Sh::kScaleBytes,
+                       act0 + slot * Sh::kActBytes, t, kt > 0, kt > 0 ? bar_empty + 8 * prev : 0u);
+    prev = slot;
+    if (++slot == Sh::kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+  mbar_arrive(bar_empty + 8 * prev);  // the item's last stage, now read
+  // Named barrier 1 + wg: this warpgroup's 128 threads (its staging, its rows).
+  const int bar_id = 1 + wg;
+  store_tile<BN, 128, S>(P, acc, it.e, it.row0, it.rows, it.n0 + wg * 64 * S, staging + wg * Sh::kStagingBytes,
+                         tid & 127, [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); });
+}
+
+// Grid: x = min(SMs, items); each CTA takes items blockIdx.x, + gridDim.x, ...
+template <Codes C>
+__global__ void __launch_bounds__(WspShape::kThreads, 1) gemm4_wsp_kernel(const __grid_constant__ Ws4Params W) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  using Sh = WspShape;
+  const Params4& P = W.P;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * Sh::kStages];  // full[kStages], empty[kStages]
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
+  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + Sh::kRingBytes;
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[Sh::kStages]);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Sh::kStages; ++s) {
+      mbar_init(bar_full + 8 * s, Sh::kFullArrivals);
+      mbar_init(bar_empty + 8 * s, Sh::kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x >= 128 * Sh::kGroups) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Sh::kProducerRegs));
+    wsp_produce<C>(W, base, bar_full, bar_empty);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Sh::kConsumerRegs));
+  const int nb = (P.N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  uint32_t slot = 0, phase = 0;
+  float acc[Sh::kSlabs][Sh::kMaxTokens / 2];
+  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, nb);
+    // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
+    // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to 16 rows take the
+    // 32-wide MMAs (their extra columns, never stored, read stale activation rows).
+    if (it.rows <= 32)
+      wsp_consume<C, 32>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
+    else
+      wsp_consume<C, 48>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
   }
 #else
   __trap();
@@ -937,13 +1140,19 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   // average: its tiles hold at most 64 rows, so above that more experts take two passes over their
   // weights. It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails
   // where HUMMING_JAX_PREFILL_RS4_WS forces it without one). HUMMING_JAX_PREFILL_RS4_WS=1 / =2:
-  // the form with one / two slabs always (A/B), =0: never; Python rejects other values.
+  // the form with one / two slabs always (A/B), =3: the persistent form, =0: never; Python rejects
+  // other values.
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
-  const int ws_slabs = ws_switch == 1 || ws_switch == 2 ? static_cast<int>(ws_switch)
-                       : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr ? 1
-                                                                                                               : 0;
-  const bool warp_specialized = ws_slabs > 0;
-  const int max_tokens = ws_slabs == 1 ? WsShape<1>::kMaxTokens : ws_slabs == 2 ? WsShape<2>::kMaxTokens : kMaxTokens;
+  const int form = ws_switch >= 1 && ws_switch <= 3 ? static_cast<int>(ws_switch)
+                   : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr ? 1
+                                                                                                           : 0;
+  const bool persistent = form == 3;
+  const int ws_slabs = form == 1 || form == 2 ? form : 0;
+  const bool warp_specialized = form > 0;
+  const int max_tokens = form == 1   ? WsShape<1>::kMaxTokens
+                         : form == 2 ? WsShape<2>::kMaxTokens
+                         : persistent ? WspShape::kMaxTokens
+                                      : kMaxTokens;
   const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
@@ -990,30 +1199,41 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.count = count;
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
-  const int rows_cta = warp_specialized ? kRows * ws_slabs : kRows;
-  const dim3 grid(static_cast<unsigned>((g.N + rows_cta - 1) / rows_cta), static_cast<unsigned>(max_tiles));
+  const int rows_cta = persistent ? WspShape::kRowsCta : warp_specialized ? kRows * ws_slabs : kRows;
+  const int64_t n_blocks = (g.N + rows_cta - 1) / rows_cta;
+  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(max_tiles));
   if (warp_specialized) {
     Ws4Params W{};
     W.P = P;
-    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, rows_cta);
+    // The persistent form's codes box is half its rows (a box dimension holds at most 256).
+    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, persistent ? rows_cta / 2 : rows_cta);
     if (!e.empty()) return e;
-    // The kernel's four forms (codes format x slabs), each raising its limit once.
-    auto launch = [&](auto kernel, int smem, unsigned& configured) {
+    // The kernel's six forms (codes format x shape), each raising its limit once.
+    auto launch = [&](auto kernel, dim3 grid_here, int threads, int smem, unsigned& configured) {
       if (!decode::raise_smem_limit_once(kernel, smem, true, configured)) return false;
-      kernel<<<grid, kWsThreads, smem, stream>>>(W);
+      kernel<<<grid_here, threads, smem, stream>>>(W);
       return true;
     };
-    static unsigned configured[4] = {0, 0, 0, 0};
+    static unsigned configured[6] = {0, 0, 0, 0, 0, 0};
+    const bool e2m1 = codes == Codes::kE2M1;
     bool ok;
-    if (ws_slabs == 1)
-      ok = codes == Codes::kE2M1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 1>, WsShape<1>::kSmem, configured[0])
-                                 : launch(gemm4_ws_kernel<Codes::kU4, 1>, WsShape<1>::kSmem, configured[1]);
-    else
-      ok = codes == Codes::kE2M1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 2>, WsShape<2>::kSmem, configured[2])
-                                 : launch(gemm4_ws_kernel<Codes::kU4, 2>, WsShape<2>::kSmem, configured[3]);
-    if (!ok) return std::string("gemm4_ws_kernel: ") + cudaGetErrorString(cudaGetLastError());
+    if (persistent) {
+      // One CTA per SM, or per work item where there are fewer (the tile count is known on the
+      // device only: its bound here).
+      const dim3 pgrid(static_cast<unsigned>(std::min<int64_t>(dev.sm_count, n_blocks * max_tiles)));
+      ok = e2m1 ? launch(gemm4_wsp_kernel<Codes::kE2M1>, pgrid, WspShape::kThreads, WspShape::kSmem, configured[4])
+                : launch(gemm4_wsp_kernel<Codes::kU4>, pgrid, WspShape::kThreads, WspShape::kSmem, configured[5]);
+    } else if (ws_slabs == 1) {
+      ok = e2m1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[0])
+                : launch(gemm4_ws_kernel<Codes::kU4, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[1]);
+    } else {
+      ok = e2m1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 2>, grid, kWsThreads, WsShape<2>::kSmem, configured[2])
+                : launch(gemm4_ws_kernel<Codes::kU4, 2>, grid, kWsThreads, WsShape<2>::kSmem, configured[3]);
+    }
+    const char* name = persistent ? "gemm4_wsp_kernel: " : "gemm4_ws_kernel: ";
+    if (!ok) return std::string(name) + cudaGetErrorString(cudaGetLastError());
     err = cudaGetLastError();
-    return err == cudaSuccess ? std::string() : std::string("gemm4_ws_kernel: ") + cudaGetErrorString(err);
+    return err == cudaSuccess ? std::string() : std::string(name) + cudaGetErrorString(err);
   }
   if (codes == Codes::kE2M1)
     gemm4_kernel<Codes::kE2M1><<<grid, kThreads, kSmem, stream>>>(P);

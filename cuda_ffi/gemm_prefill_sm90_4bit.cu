@@ -887,7 +887,7 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
 // (tile-list entry x 512-row block of N) by a static stride. Against the two-CTA forms above:
 //  * a stage's activation box serves 512 weight rows instead of 128 or 256, so the activations'
 //    share of the L2 -> shared traffic falls from as much as the codes' to ~3/8 of it at 48 tokens;
-//  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 40 and 104, from the
+//  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 64 and 104, from the
 //    launch's 96), which lets two slabs take 48-token tiles without serialized wgmmas;
 //  * the ring runs on across items, and each warpgroup stages and stores its own 128 rows in a
 //    buffer of its own, so one item's epilogue overlaps the next item's loads.

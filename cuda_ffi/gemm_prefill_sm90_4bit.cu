@@ -628,7 +628,7 @@ struct WsShape {
 
 struct Ws4Params {
   CUtensorMap codes;   // [E][N][K / 2] bytes; box (32, 128 S, 1), no swizzle
-  CUtensorMap act[kWsActTokens / 16];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
+  CUtensorMap act[kMaxTokens / 16];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
   Params4 P;
 };
 
@@ -882,56 +882,65 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
 }
 
 // ---------------------------------------------------------------------------------------------
-// The persistent form (HUMMING_JAX_PREFILL_RS4_WS=3): one CTA per SM of four consumer warpgroups,
-// two 64-row slabs each (512 weight rows per CTA), and a producer warpgroup, over the work items
-// (tile-list entry x 512-row block of N) by a static stride. Against the two-CTA forms above:
-//  * a stage's activation box serves 512 weight rows instead of 128 or 256, so the activations'
-//    share of the L2 -> shared traffic falls from as much as the codes' to ~3/8 of it at 48 tokens;
+// The persistent form (HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four consumer
+// warpgroups and a producer warpgroup, over the work items (tile-list entry x block of N) by a
+// static stride. Each consumer warpgroup owns two 64-row slabs and tiles of at most 48 rows
+// (WspTwoSlabs: 512 weight rows per CTA) or one slab and 128 (WspOneSlab: 256). Against the
+// two-CTA forms above:
+//  * a stage's activation box serves 512 or 256 weight rows instead of the one-slab form's 128, so
+//    the activations' L2 -> shared traffic per weight falls 4x or 2x;
 //  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 64 and 104, from the
-//    launch's 96), which lets two slabs take 48-token tiles without serialized wgmmas;
-//  * the ring runs on across items, and each warpgroup stages and stores its own 128 rows in a
-//    buffer of its own, so one item's epilogue overlaps the next item's loads.
+//    launch's 96), which lets two slabs take 48-token tiles, or one 128, without serialized wgmmas;
+//  * the ring runs on across items, and each warpgroup stages and stores its own rows in a buffer
+//    of its own, so one item's epilogue overlaps the next item's loads.
 // The same conversion, k order and rounding as the forms above (ws_stage): the same bits.
 // ---------------------------------------------------------------------------------------------
+// The persistent form's shape: S slabs of 64 rows per consumer warpgroup, tiles of at most kMaxTokens
+// rows run kNarrow or kMaxTokens wide (two widths: see gemm4_wsp_kernel).
+template <int S, int kMaxTok, int kNarrowTok>
 struct WspShape {
-  static constexpr int kSlabs = 2;
+  static constexpr int kSlabs = S;
   static constexpr int kGroups = 4;                        // consumer warpgroups
   static constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
-  static constexpr int kRowsCta = 64 * kSlabs * kGroups;   // 512
-  static constexpr int kMaxTokens = 48;
-  static constexpr int kStages = 6;
-  static constexpr int kActBytes = kMaxTokens * kBK * 2;   // 6 KB, whole 1024-byte swizzle atoms
-  static constexpr int kCodeBytes = kRowsCta * kBK / 2;    // 16 KB: two TMA boxes of 256 rows
+  static constexpr int kRowsCta = 64 * kSlabs * kGroups;   // 512 or 256
+  static constexpr int kMaxTokens = kMaxTok, kNarrow = kNarrowTok;
+  static constexpr int kActBytes = kMaxTokens * kBK * 2;   // whole 1024-byte swizzle atoms
+  static constexpr int kCodeBytes = kRowsCta * kBK / 2;    // TMA boxes of 256 rows
   static constexpr int kScaleBytes = kRowsCta * 2;
   static constexpr int kStageRowBytes = 64 * kSlabs * 2 + 16;                 // a warpgroup's staging row
   static constexpr int kStagingBytes = kMaxTokens * kStageRowBytes;          // per warpgroup
-  static constexpr int kRingBytes = kStages * (kActBytes + kCodeBytes + kScaleBytes);
+  static constexpr int kStageBytes = kActBytes + kCodeBytes + kScaleBytes;
+  static constexpr int kFree = 227 * 1024 - 1024 - kGroups * kStagingBytes - 256;  // beside the staging
+  static constexpr int kStages = kFree / kStageBytes < 6 ? kFree / kStageBytes : 6;
+  static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;
   static constexpr int kProducerRegs = 64, kConsumerRegs = 104;  // 64 x 128 + 104 x 512 <= 96 x 640
   static constexpr int kScaleWords = kRowsCta / 128;       // per producer thread: rows p + 128 q
   static constexpr int kFullArrivals = 1 + 128;            // the TMA's expect-tx arrive + the scale writers
   static constexpr int kEmptyArrivals = 128 * kGroups;
-  static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 1024 == 0, "slot alignment");
-  static_assert(kSmem <= 227 * 1024, "shared memory");
+  static_assert(kStages >= 4, "stages");
+  static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 512 == 0, "slot alignment");
+  static_assert(kMaxTokens <= ::hj::prefill::kMaxTokens && kMaxTokens % 16 == 0 && kNarrow < kMaxTokens, "widths");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 96 * kThreads, "register budget");
 };
+using WspTwoSlabs = WspShape<2, 48, 32>;   // HUMMING_JAX_PREFILL_RS4_WS=3
+using WspOneSlab = WspShape<1, 128, 64>;   // HUMMING_JAX_PREFILL_RS4_WS=4
 
 // The work items: item i of `count` tile-list entries x nb blocks of N is block i % nb of entry i / nb.
 struct WspItem {
   int e, row0, rows, n0;
 };
-__device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb) {
+__device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int rows_cta) {
   const int4 tile = P.tiles[i / nb];
-  return WspItem{tile.x, tile.y, tile.z, (i % nb) * WspShape::kRowsCta};
+  return WspItem{tile.x, tile.y, tile.z, (i % nb) * rows_cta};
 }
 
 // The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
 // run on across items). Thread 0 issues the TMA boxes (the 512 rows' codes as two boxes of 256, the
 // tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
 // kWsScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
-template <Codes C>
+template <Codes C, typename Sh>
 __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
-  using Sh = WspShape;
   constexpr int kWords = Sh::kScaleWords;
   const Params4& P = W.P;
   const int p = static_cast<int>(threadIdx.x) - 128 * Sh::kGroups;
@@ -941,7 +950,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
   uint32_t slot = 0, phase = 0;
   for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, nb);
+    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
     // The expert's scales, and this thread's rows' byte offsets in them (32 bits: an expert's scales
     // are far below 2^32 bytes), to stay within the producer's 40 registers.
     constexpr int kBytes = C == Codes::kE2M1 ? 1 : 2;
@@ -968,8 +977,9 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
       if (p == 0) {
         mbar_arrive_expect_tx(full, tx);
         const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
-        tma_load_3d(code_s, &W.codes, kt * (kBK / 2), it.n0, it.e, full);
-        tma_load_3d(code_s + Sh::kCodeBytes / 2, &W.codes, kt * (kBK / 2), it.n0 + Sh::kRowsCta / 2, it.e, full);
+#pragma unroll
+        for (int b = 0; b < Sh::kRowsCta / 256; ++b)
+          tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
         tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
       }
 #pragma unroll
@@ -993,11 +1003,10 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
 
 // A consumer warpgroup's part of one item (weight rows [128 wg, + 128) of the CTA's 512, two slabs)
 // on the mainloop of width BN, then its own epilogue through its staging buffer.
-template <Codes C, int BN>
+template <Codes C, typename Sh, int BN>
 __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it, uint8_t* staging, uint32_t base,
                                             uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
-                                            float (&acc)[WspShape::kSlabs][WspShape::kMaxTokens / 2]) {
-  using Sh = WspShape;
+                                            float (&acc)[Sh::kSlabs][Sh::kMaxTokens / 2]) {
   constexpr int S = Sh::kSlabs, kAcc = BN / 2;
   const int KT = P.K / kBK;
   const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
@@ -1032,10 +1041,9 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
 }
 
 // Grid: x = min(SMs, items); each CTA takes items blockIdx.x, + gridDim.x, ...
-template <Codes C>
-__global__ void __launch_bounds__(WspShape::kThreads, 1) gemm4_wsp_kernel(const __grid_constant__ Ws4Params W) {
+template <Codes C, typename Sh>
+__global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid_constant__ Ws4Params W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  using Sh = WspShape;
   const Params4& P = W.P;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * Sh::kStages];  // full[kStages], empty[kStages]
@@ -1052,7 +1060,7 @@ __global__ void __launch_bounds__(WspShape::kThreads, 1) gemm4_wsp_kernel(const 
   __syncthreads();
   if (threadIdx.x >= 128 * Sh::kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Sh::kProducerRegs));
-    wsp_produce<C>(W, base, bar_full, bar_empty);
+    wsp_produce<C, Sh>(W, base, bar_full, bar_empty);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Sh::kConsumerRegs));
@@ -1060,14 +1068,14 @@ __global__ void __launch_bounds__(WspShape::kThreads, 1) gemm4_wsp_kernel(const 
   uint32_t slot = 0, phase = 0;
   float acc[Sh::kSlabs][Sh::kMaxTokens / 2];
   for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, nb);
+    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
     // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
-    // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to 16 rows take the
-    // 32-wide MMAs (their extra columns, never stored, read stale activation rows).
-    if (it.rows <= 32)
-      wsp_consume<C, 32>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
+    // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to kNarrow rows take
+    // kNarrow-wide MMAs (the columns past their rows, never stored, read stale activation rows).
+    if (it.rows <= Sh::kNarrow)
+      wsp_consume<C, Sh, Sh::kNarrow>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
     else
-      wsp_consume<C, 48>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
+      wsp_consume<C, Sh, Sh::kMaxTokens>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
   }
 #else
   __trap();
@@ -1088,8 +1096,8 @@ std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
       return "cuTensorMapEncodeTiled failed for the codes";
   }
-  // One map per tile width (16, 32, 48, 64 rows): a stage's activations are one box.
-  for (int i = 0; i < kWsActTokens / 16; ++i) {
+  // One map per tile width (16, 32, .., 128 rows): a stage's activations are one box.
+  for (int i = 0; i < kMaxTokens / 16; ++i) {
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R), 1};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K) * 2, static_cast<cuuint64_t>(K) * 2 * static_cast<cuuint64_t>(R)};
     const cuuint32_t box[3] = {kBK, static_cast<cuuint32_t>(16 * (i + 1)), 1}, estrides[3] = {1, 1, 1};
@@ -1140,19 +1148,21 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   // average: its tiles hold at most 64 rows, so above that more experts take two passes over their
   // weights. It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails
   // where HUMMING_JAX_PREFILL_RS4_WS forces it without one). HUMMING_JAX_PREFILL_RS4_WS=1 / =2:
-  // the form with one / two slabs always (A/B), =3: the persistent form, =0: never; Python rejects
+  // the form with one / two slabs always (A/B), =3 / =4: the persistent form with two slabs and
+  // tiles of 48 rows / one slab and 128, =0: never; Python rejects
   // other values.
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
-  const int form = ws_switch >= 1 && ws_switch <= 3 ? static_cast<int>(ws_switch)
+  const int form = ws_switch >= 1 && ws_switch <= 4 ? static_cast<int>(ws_switch)
                    : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr ? 1
                                                                                                            : 0;
-  const bool persistent = form == 3;
+  const bool persistent = form >= 3;  // 3: WspTwoSlabs, 4: WspOneSlab
   const int ws_slabs = form == 1 || form == 2 ? form : 0;
   const bool warp_specialized = form > 0;
   const int max_tokens = form == 1   ? WsShape<1>::kMaxTokens
                          : form == 2 ? WsShape<2>::kMaxTokens
-                         : persistent ? WspShape::kMaxTokens
-                                      : kMaxTokens;
+                         : form == 3 ? WspTwoSlabs::kMaxTokens
+                         : form == 4 ? WspOneSlab::kMaxTokens
+                                     : kMaxTokens;
   const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
@@ -1199,14 +1209,15 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.count = count;
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
-  const int rows_cta = persistent ? WspShape::kRowsCta : warp_specialized ? kRows * ws_slabs : kRows;
+  const int rows_cta = form == 3 ? WspTwoSlabs::kRowsCta : form == 4 ? WspOneSlab::kRowsCta
+                       : warp_specialized ? kRows * ws_slabs : kRows;
   const int64_t n_blocks = (g.N + rows_cta - 1) / rows_cta;
   const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(max_tiles));
   if (warp_specialized) {
     Ws4Params W{};
     W.P = P;
-    // The persistent form's codes box is half its rows (a box dimension holds at most 256).
-    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, persistent ? rows_cta / 2 : rows_cta);
+    // The persistent form's codes boxes hold 256 rows (a box dimension holds at most 256).
+    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, persistent ? 256 : rows_cta);
     if (!e.empty()) return e;
     // The kernel's six forms (codes format x shape), each raising its limit once.
     auto launch = [&](auto kernel, dim3 grid_here, int threads, int smem, unsigned& configured) {
@@ -1214,15 +1225,19 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
       kernel<<<grid_here, threads, smem, stream>>>(W);
       return true;
     };
-    static unsigned configured[6] = {0, 0, 0, 0, 0, 0};
+    static unsigned configured[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     const bool e2m1 = codes == Codes::kE2M1;
     bool ok;
     if (persistent) {
       // One CTA per SM, or per work item where there are fewer (the tile count is known on the
       // device only: its bound here).
       const dim3 pgrid(static_cast<unsigned>(std::min<int64_t>(dev.sm_count, n_blocks * max_tiles)));
-      ok = e2m1 ? launch(gemm4_wsp_kernel<Codes::kE2M1>, pgrid, WspShape::kThreads, WspShape::kSmem, configured[4])
-                : launch(gemm4_wsp_kernel<Codes::kU4>, pgrid, WspShape::kThreads, WspShape::kSmem, configured[5]);
+      auto launch_p = [&](auto shape, unsigned* conf) {
+        using Sh = decltype(shape);
+        return e2m1 ? launch(gemm4_wsp_kernel<Codes::kE2M1, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[0])
+                    : launch(gemm4_wsp_kernel<Codes::kU4, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[1]);
+      };
+      ok = form == 3 ? launch_p(WspTwoSlabs{}, configured + 4) : launch_p(WspOneSlab{}, configured + 6);
     } else if (ws_slabs == 1) {
       ok = e2m1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[0])
                 : launch(gemm4_ws_kernel<Codes::kU4, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[1]);

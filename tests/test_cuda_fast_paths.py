@@ -355,9 +355,10 @@ U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, 
     (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
     (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles
     (1280, 1, 8, 264, 512, "uniform", True, 128),  # 160 rows per expert: two tiles each, N = 264
-    # 150 rows per expert over 64 experts: ~256 tiles of at most 48 rows, more work items than SMs
-    # (the persistent form's CTAs take several, its ring running on across them); 7 k tiles
-    (2400, 4, 64, 256, 448, "uniform", True, 64),
+    # 150 rows per expert over 64 experts: more work items than SMs in both persistent forms (~256
+    # tiles of at most 48 rows x one 512-row block; 128 of at most 128 x two 256-row blocks), so
+    # their CTAs take several, the ring running on across them; 7 k tiles
+    (2400, 4, 64, 512, 448, "uniform", True, 64),
 ]
 
 
@@ -403,10 +404,10 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, monkeypatch, scheme, m, k, e, n, kdim,
                                                                        kind, bias, group_k):
-    """HUMMING_JAX_PREFILL_RS4_WS=1 / 2 / 3: the warp-specialized forms of the 4-bit mainloop (load
-    by TMA; one weight slab per warpgroup and tiles of at most 96 tokens, two and 32, or the
-    persistent form's four warpgroups of two slabs and 48) equal the CPU, and the plain mainloop bit
-    for bit (each output's sum runs over k in the same MMA order)."""
+    """HUMMING_JAX_PREFILL_RS4_WS=1 to 4: the warp-specialized forms of the 4-bit mainloop (load by
+    TMA; one weight slab per warpgroup and tiles of at most 96 tokens, two and 32, or the persistent
+    form's four warpgroups of two slabs and 48 or one and 128) equal the CPU, and the plain mainloop
+    bit for bit (each output's sum runs over k in the same MMA order)."""
     for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "0")
@@ -414,7 +415,7 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
     what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
     plain, _ = _prefill_once_matches_cpu(p, what, "4-bit prefill")
-    for form in ("1", "2", "3"):  # one / two weight slabs per warpgroup; persistent
+    for form in ("1", "2", "3", "4"):  # one / two weight slabs per warpgroup; persistent, two / one
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, form)
         got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {form}", "4-bit prefill")
         np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")

@@ -341,7 +341,7 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
 
 
 def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_RS4_WS takes 0, 1, 2 or 3 (or nothing); any other value fails where the
+    """$HUMMING_JAX_PREFILL_RS4_WS takes 0 to 4 (or nothing); any other value fails where the
     4-bit mainloop's workspace is sized, and the workspace is the same for every form."""
     for var in (gemm_ops.ENV_PREFILL_MIN_ROWS, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
                 gemm_ops.ENV_PREFILL_MIXED, gemm_ops.ENV_PREFILL_RS4_WS):
@@ -351,11 +351,11 @@ def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, mon
     for w in (_int4(rng, e, n, k), _mxfp4(rng, e, n, k)):
         unset = gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
         assert unset > rows * k * 2
-        for good in ("0", "1", "2", "3", " +1"):
+        for good in ("0", "1", "2", "3", "4", " +1"):
             monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, good)
             assert gemm_ops.rs4_warp_specialized_switch() == int(good)
             assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == unset
-        for bad in ("4", "-1", "yes", "1 ", "0x1"):
+        for bad in ("5", "-1", "yes", "1 ", "0x1"):
             monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, bad)
             with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_RS4_WS"):
                 gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)

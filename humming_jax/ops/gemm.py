@@ -355,18 +355,19 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
 # The 4-bit mainloop's warp-specialized forms (cuda_ffi/gemm_prefill_sm90_4bit.cu): gemm4_ws_kernel,
 # a producer warp loading by TMA, tiles of at most 96 token rows (32 with two weight slabs per
 # warpgroup); gemm4_wsp_kernel, one persistent CTA per SM with four consumer warpgroups of two slabs
-# and tiles of at most 48 rows. $HUMMING_JAX_PREFILL_RS4_WS=1 (=2: two slabs, =3: the persistent
-# form) takes it for every call of the mainloop, =0 never; unset, the CUDA handler's rule (run_rs4).
-# Read when the call is traced, as by the CUDA handler at each call.
+# and tiles of at most 48 rows, or of one slab and 128. $HUMMING_JAX_PREFILL_RS4_WS=1 (=2: two
+# slabs, =3 / =4: the persistent form with two slabs / one) takes it for every call of the
+# mainloop, =0 never; unset, the CUDA handler's rule (run_rs4). Read when the call is traced, as by
+# the CUDA handler at each call.
 ENV_PREFILL_RS4_WS = "HUMMING_JAX_PREFILL_RS4_WS"
 
 
 def rs4_warp_specialized_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_RS4_WS as 0, 1, 2 or 3 (the form with one or two weight slabs per
-    warpgroup, or the persistent form), None when unset; any other value is an error."""
-    value = _env_int(ENV_PREFILL_RS4_WS, "0, 1, 2 or 3")
-    if value not in (None, 0, 1, 2, 3):
-        raise ValueError(f"{ENV_PREFILL_RS4_WS} = {os.environ[ENV_PREFILL_RS4_WS]!r} is not 0, 1, 2 or 3")
+    """$HUMMING_JAX_PREFILL_RS4_WS as 0 to 4 (the form with one or two weight slabs per warpgroup,
+    or the persistent form with two slabs or one), None when unset; any other value is an error."""
+    value = _env_int(ENV_PREFILL_RS4_WS, "0, 1, 2, 3 or 4")
+    if value not in (None, 0, 1, 2, 3, 4):
+        raise ValueError(f"{ENV_PREFILL_RS4_WS} = {os.environ[ENV_PREFILL_RS4_WS]!r} is not 0, 1, 2, 3 or 4")
     return value
 
 

@@ -936,7 +936,7 @@ __device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int
 }
 
 // The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
-// run on across items). Thread 0 issues the TMA boxes (the 512 rows' codes as two boxes of 256, the
+// run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
 // tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
 // kWsScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
 template <Codes C, typename Sh>
@@ -952,7 +952,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
     const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
     // The expert's scales, and this thread's rows' byte offsets in them (32 bits: an expert's scales
-    // are far below 2^32 bytes), to stay within the producer's 40 registers.
+    // are far below 2^32 bytes), to stay within the producer's registers.
     constexpr int kBytes = C == Codes::kE2M1 ? 1 : 2;
     const uint8_t* sexp = static_cast<const uint8_t*>(P.scale) + static_cast<int64_t>(it.e) * N * scols * kBytes;
     uint32_t srow[kWords];
@@ -1001,8 +1001,8 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   }
 }
 
-// A consumer warpgroup's part of one item (weight rows [128 wg, + 128) of the CTA's 512, two slabs)
-// on the mainloop of width BN, then its own epilogue through its staging buffer.
+// A consumer warpgroup's part of one item (weight rows [64 S wg, + 64 S) of the CTA's, S slabs) on
+// the mainloop of width BN, then its own epilogue through its staging buffer.
 template <Codes C, typename Sh, int BN>
 __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it, uint8_t* staging, uint32_t base,
                                             uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,

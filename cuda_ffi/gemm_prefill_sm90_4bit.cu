@@ -645,6 +645,15 @@ __device__ __forceinline__ uint32_t lds32(uint32_t a) {
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
   return v;
 }
+__device__ __forceinline__ void sts32(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+}
+// The OR of four words.
+__device__ __forceinline__ uint32_t lds128_or(uint32_t a) {
+  uint32_t x, y, z, w;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x), "=r"(y), "=r"(z), "=r"(w) : "r"(a));
+  return x | y | z | w;
+}
 
 // The full barrier's arrivals: the TMA's expect-tx arrive and the producer lanes' scale words.
 constexpr int kWsFullArrivals = 1 + 32;
@@ -718,30 +727,65 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
 // fragments of 4 registers per slab): the conversion of step j + 1 overlaps the MMAs of step j.
 // At step 0 the previous stage's last MMAs are done, and the empty barrier `release` (0: none) gets
 // this thread's arrival. Same k order and rounding as gemm4_kernel: the same bits.
-template <Codes C, int BN, int S, int AW = BN / 2>
+// The producer's precomputed first factors (kPre, WsFactors): fac_s is the thread's first row's
+// word in the slot (the row's first factors of its two 32-k groups as bf16 halves; uint4: the scale
+// twice), picked for the lane's group by the byte selector sel; flag_s, the slot's four flag words
+// (nonzero where a row of the stage needs the second factor), read by every thread alike.
+struct WsFactors {
+  uint32_t fac_s = 0, flag_s = 0, sel = 0;
+};
+
+template <Codes C>
+__device__ __forceinline__ void second_factor(uint32_t sw, int t, uint32_t& f2) {
+  if constexpr (C == Codes::kE2M1) {
+    uint32_t f1;
+    bool tw;
+    fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1, f2, tw);
+  } else {
+    f2 = 0x3f803f80u;  // 1.0
+  }
+}
+
+template <Codes C, int BN, int S, int AW = BN / 2, bool kPre = false>
 __device__ __forceinline__ void ws_stage(float (&acc)[S][AW], uint32_t (&frag)[2][S][4], uint32_t code_s,
-                                         uint32_t sc_s, uint32_t act_s, int t, bool accumulate, uint32_t release) {
+                                         uint32_t sc_s, uint32_t act_s, int t, bool accumulate, uint32_t release,
+                                         WsFactors pre = WsFactors()) {
   constexpr int kAcc = BN / 2;
   uint32_t f1[S][2], f2[S][2];
-  bool two = false;
+  bool any_two;
+  if constexpr (kPre) {
 #pragma unroll
-  for (int sl = 0; sl < S; ++sl)
+    for (int sl = 0; sl < S; ++sl)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t sw = lds16(sc_s + (64 * sl + 8 * h) * 2);
-      if constexpr (C == Codes::kE2M1) {
-        bool tw;
-        fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
-        two |= tw;
-      } else {
-        f1[sl][h] = sw * 0x10001u;
-        f2[sl][h] = 0x3f803f80u;  // 1.0
-        two |= sw == 0u;
-      }
+      for (int h = 0; h < 2; ++h) f1[sl][h] = __byte_perm(lds32(pre.fac_s + (64 * sl + 8 * h) * 4), 0u, pre.sel);
+    any_two = lds128_or(pre.flag_s) != 0u;  // the same for the whole CTA: no vote
+    if (any_two) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) second_factor<C>(lds16(sc_s + (64 * sl + 8 * h) * 2), t, f2[sl][h]);
     }
-  // As in apply_second_factor: the second e8m0 factor only on a vote (uint4: on a zero scale,
-  // factor 1.0), and the branch keeps the conversion before wgmma.fence.
-  const bool any_two = __any_sync(0xffffffffu, two);
+  } else {
+    bool two = false;
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t sw = lds16(sc_s + (64 * sl + 8 * h) * 2);
+        if constexpr (C == Codes::kE2M1) {
+          bool tw;
+          fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
+          two |= tw;
+        } else {
+          f1[sl][h] = sw * 0x10001u;
+          f2[sl][h] = 0x3f803f80u;  // 1.0
+          two |= sw == 0u;
+        }
+      }
+    // As in apply_second_factor: the second e8m0 factor only on a vote (uint4: on a zero scale,
+    // factor 1.0), and the branch keeps the conversion before wgmma.fence.
+    any_two = __any_sync(0xffffffffu, two);
+  }
   const uint32_t dlo = smem_desc_lo(act_s);
   // Each row's 8 code bytes of the stage: word w feeds k16 steps 2 w and 2 w + 1. One slab reads
   // both words at once (one 8-byte load, conflict-free); two read a word at a time (registers).
@@ -906,7 +950,13 @@ struct WspShape {
   static constexpr int kMaxTokens = kMaxTok, kNarrow = kNarrowTok;
   static constexpr int kActBytes = kMaxTokens * kBK * 2;   // whole 1024-byte swizzle atoms
   static constexpr int kCodeBytes = kRowsCta * kBK / 2;    // TMA boxes of 256 rows
-  static constexpr int kScaleBytes = kRowsCta * 2;
+  // A stage's scale slot: the rows' 16-bit scale words; with kPreFactors, then the rows' first
+  // factors (32 bits: WsFactors) and four flag words, one a producer warp (used for e2m1 only,
+  // wsp_pre: a uint4 row's factor is its scale, one multiply).
+  static constexpr bool kPreFactors = true;
+  static constexpr int kRawBytes = kRowsCta * 2;
+  static constexpr int kFacBytes = kPreFactors ? kRowsCta * 4 : 0;
+  static constexpr int kScaleBytes = kRawBytes + kFacBytes + (kPreFactors ? 16 : 0);
   static constexpr int kStageRowBytes = 64 * kSlabs * 2 + 16;                 // a warpgroup's staging row
   static constexpr int kStagingBytes = kMaxTokens * kStageRowBytes;          // per warpgroup
   static constexpr int kStageBytes = kActBytes + kCodeBytes + kScaleBytes;
@@ -914,15 +964,24 @@ struct WspShape {
   static constexpr int kStages = kFree / kStageBytes < 6 ? kFree / kStageBytes : 6;
   static constexpr int kRingBytes = kStages * kStageBytes;
   static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;
-  static constexpr int kProducerRegs = 64, kConsumerRegs = 104;  // 64 x 128 + 104 x 512 <= 96 x 640
+  // setmaxnreg from the launch's 96: 32 x 128 + 112 x 512 = 96 x 640. At 104 the two-slab
+  // consumer's wgmmas are on the edge of serialization (C7512), which small changes elsewhere
+  // in the kernel tip; the producer fits 32 with a scale ring two stages deep.
+  static constexpr int kProducerRegs = 32, kConsumerRegs = 112;
+  static constexpr int kScaleAhead = 2;  // stages between a scale word's load and its store
   static constexpr int kScaleWords = kRowsCta / 128;       // per producer thread: rows p + 128 q
   static constexpr int kFullArrivals = 1 + 128;            // the TMA's expect-tx arrive + the scale writers
   static constexpr int kEmptyArrivals = 128 * kGroups;
   static_assert(kStages >= 4, "stages");
-  static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 512 == 0, "slot alignment");
+  static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 16 == 0, "slot alignment");
   static_assert(kMaxTokens <= ::hj::prefill::kMaxTokens && kMaxTokens % 16 == 0 && kNarrow < kMaxTokens, "widths");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 96 * kThreads, "register budget");
 };
+// Whether the producer precomputes the first factors (e2m1: fp4_factors' 12-odd instructions a row
+// and stage move from the 16 consumer warps to the 4 producer warps).
+template <Codes C, typename Sh>
+constexpr bool wsp_pre = Sh::kPreFactors && C == Codes::kE2M1;
+
 using WspTwoSlabs = WspShape<2, 48, 32>;   // HUMMING_JAX_PREFILL_RS4_WS=3
 using WspOneSlab = WspShape<1, 128, 64>;   // HUMMING_JAX_PREFILL_RS4_WS=4
 
@@ -938,7 +997,7 @@ __device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int
 // The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
 // run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
 // tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
-// kWsScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
+// Sh::kScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
 template <Codes C, typename Sh>
 __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
   constexpr int kWords = Sh::kScaleWords;
@@ -964,9 +1023,10 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
 #pragma unroll
       for (int q = 0; q < kWords; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(sexp + (srow[q] + off)));
     };
-    uint32_t ring[kWsScaleAhead][kWords];
+    constexpr int kAhead = Sh::kScaleAhead;
+    uint32_t ring[kAhead][kWords];
 #pragma unroll
-    for (int j = 0; j < kWsScaleAhead; ++j) scale_words(j, ring[j]);
+    for (int j = 0; j < kAhead; ++j) scale_words(j, ring[j]);
     const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
     const CUtensorMap* act_map = &W.act[bn / 16 - 1];
     const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
@@ -982,21 +1042,36 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
           tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
         tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
       }
+      const uint32_t sc_s = sc0 + slot * Sh::kScaleBytes;
+      uint32_t two = 0;
 #pragma unroll
-      for (int q = 0; q < kWords; ++q) sts16(sc0 + slot * Sh::kScaleBytes + (p + 128 * q) * 2, ring[J][q]);
+      for (int q = 0; q < kWords; ++q) {
+        const uint32_t sw = ring[J][q], row = static_cast<uint32_t>(p + 128 * q);
+        sts16(sc_s + row * 2, sw);
+        if constexpr (wsp_pre<C, Sh>) {
+          // fp4_factors' first factor of each 32-k group's e8m0 byte, as the consumers would
+          // compute it, and whether the second is needed.
+          const uint32_t lo = sw & 0xffu, hi = (sw >> 8) & 0xffu;
+          auto f1 = [](uint32_t e) { return e <= 128u ? (e + 126u) << 7 : (e == 255u ? 0x7fc0u : 0x7f00u); };
+          sts32(sc_s + Sh::kRawBytes + row * 4, f1(lo) | (f1(hi) << 16));
+          two |= static_cast<uint32_t>((lo > 128u && lo != 255u) || (hi > 128u && hi != 255u));
+        }
+      }
+      if constexpr (wsp_pre<C, Sh>) {
+        const uint32_t any = __any_sync(0xffffffffu, two != 0u);
+        if ((p & 31) == 0) sts32(sc_s + Sh::kRawBytes + Sh::kFacBytes + (p >> 5) * 4, any);
+      }
       mbar_arrive(full);  // release: the scale words above are visible to the waiters
-      scale_words(kt + kWsScaleAhead, ring[J]);
+      scale_words(kt + kAhead, ring[J]);
       if (++slot == Sh::kStages) {
         slot = 0;
         phase ^= 1u;
       }
     };
-    static_assert(kWsScaleAhead == 4, "the stage loop below unrolls over four register slots");
-    for (int kt = 0; kt < KT; kt += 4) {
+    static_assert(kAhead == 2, "the stage loop below unrolls over two register slots");
+    for (int kt = 0; kt < KT; kt += 2) {
       stage(kt, std::integral_constant<int, 0>{});
       if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
-      if (kt + 2 < KT) stage(kt + 2, std::integral_constant<int, 2>{});
-      if (kt + 3 < KT) stage(kt + 3, std::integral_constant<int, 3>{});
     }
   }
 }
@@ -1014,14 +1089,21 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int row00 = wg * 64 * S + warp * 16 + g;  // row (sl, h): row00 + 64 sl + 8 h
-  const uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, sc_t = sc0 + row00 * 2;
+  const uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8;
 
   uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
   uint32_t prev = 0;       // the slot of the stage before
+  const uint32_t sel = 0x1010u + 0x2222u * static_cast<uint32_t>(t >> 1);  // the lane's group's bf16 half, twice
   for (int kt = 0; kt < KT; ++kt) {
     mbar_wait(bar_full + 8 * slot, phase);
-    ws_stage<C, BN, S, Sh::kMaxTokens / 2>(acc, frag, code_t + slot * Sh::kCodeBytes, sc_t + slot * Sh::kScaleBytes,
-                       act0 + slot * Sh::kActBytes, t, kt > 0, kt > 0 ? bar_empty + 8 * prev : 0u);
+    const uint32_t sc_s = sc0 + slot * Sh::kScaleBytes;
+    WsFactors pre;
+    pre.fac_s = sc_s + Sh::kRawBytes + row00 * 4;
+    pre.flag_s = sc_s + Sh::kRawBytes + Sh::kFacBytes;
+    pre.sel = sel;
+    ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>>(acc, frag, code_t + slot * Sh::kCodeBytes, sc_s + row00 * 2,
+                                                           act0 + slot * Sh::kActBytes, t, kt > 0,
+                                                           kt > 0 ? bar_empty + 8 * prev : 0u, pre);
     prev = slot;
     if (++slot == Sh::kStages) {
       slot = 0;

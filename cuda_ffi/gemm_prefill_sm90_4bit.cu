@@ -1083,25 +1083,29 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
                                             uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
                                             float (&acc)[Sh::kSlabs][Sh::kMaxTokens / 2]) {
   constexpr int S = Sh::kSlabs, kAcc = BN / 2;
-  const int KT = P.K / kBK;
+  const int KT = static_cast<int>(static_cast<uint32_t>(P.K) / kBK);
   const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int row00 = wg * 64 * S + warp * 16 + g;  // row (sl, h): row00 + 64 sl + 8 h
-  const uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8;
+  // The thread's addresses in slot 0 (codes, scale words, first factors) and its group's byte
+  // selector, opaque to ptxas, which would otherwise recompute them from the thread index at
+  // every stage (some 20 instructions of the stage's ~270).
+  uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, raw_t = sc0 + row00 * 2, fac_t = sc0 + Sh::kRawBytes + row00 * 4;
+  uint32_t sel = 0x1010u + 0x2222u * static_cast<uint32_t>(t >> 1);  // the lane's group's bf16 half, twice
+  asm volatile("" : "+r"(code_t), "+r"(raw_t), "+r"(fac_t), "+r"(sel));
 
   uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
   uint32_t prev = 0;       // the slot of the stage before
-  const uint32_t sel = 0x1010u + 0x2222u * static_cast<uint32_t>(t >> 1);  // the lane's group's bf16 half, twice
   for (int kt = 0; kt < KT; ++kt) {
     mbar_wait(bar_full + 8 * slot, phase);
-    const uint32_t sc_s = sc0 + slot * Sh::kScaleBytes;
+    const uint32_t sc_s = slot * Sh::kScaleBytes;
     WsFactors pre;
-    pre.fac_s = sc_s + Sh::kRawBytes + row00 * 4;
-    pre.flag_s = sc_s + Sh::kRawBytes + Sh::kFacBytes;
+    pre.fac_s = fac_t + sc_s;
+    pre.flag_s = sc0 + sc_s + Sh::kRawBytes + Sh::kFacBytes;
     pre.sel = sel;
-    ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>>(acc, frag, code_t + slot * Sh::kCodeBytes, sc_s + row00 * 2,
+    ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>>(acc, frag, code_t + slot * Sh::kCodeBytes, raw_t + sc_s,
                                                            act0 + slot * Sh::kActBytes, t, kt > 0,
                                                            kt > 0 ? bar_empty + 8 * prev : 0u, pre);
     prev = slot;

@@ -33,6 +33,9 @@
 //  * At up to 48 rows per expert on average, a warp-specialized form of the same tile (tiles of at
 //    most 96 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
 //    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
+//  * A persistent form (gemm4_wsp_kernel, HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four
+//    consumer warpgroups and a producer warpgroup that gives them registers (setmaxnreg) and
+//    precomputes the e2m1 scale factors. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

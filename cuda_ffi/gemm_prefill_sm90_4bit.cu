@@ -936,7 +936,7 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
 // two-CTA forms above:
 //  * a stage's activation box serves 512 or 256 weight rows instead of the one-slab form's 128, so
 //    the activations' L2 -> shared traffic per weight falls 4x or 2x;
-//  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 64 and 104, from the
+//  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 32 and 112, from the
 //    launch's 96), which lets two slabs take 48-token tiles, or one 128, without serialized wgmmas;
 //  * the ring runs on across items, and each warpgroup stages and stores its own rows in a buffer
 //    of its own, so one item's epilogue overlaps the next item's loads.

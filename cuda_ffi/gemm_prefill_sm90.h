@@ -53,6 +53,11 @@ enum class Kind : int {
   // expert. HUMMING_JAX_PREFILL_U4RS=0 gives them back to the CUTLASS mixed-input kinds;
   // HUMMING_JAX_PREFILL_U4RS=<n> moves the upper bound to n rows per expert (for A/B timing).
   kU4Bf16Rs = 11,
+  // bf16 x unquantized bf16 weights -> bf16 on our own persistent kernel (gemm_prefill_sm90_bf16_wsp.cu):
+  // weight rows on wgmma's A operand, tiles of up to 128 tokens costing their rows rounded up to 32.
+  // Only where HUMMING_JAX_PREFILL_BF16_WSP=1 (one CTA per SM) or =2 (clusters of two sharing the
+  // tokens by multicast) selects it, for A/B timing against kBf16 / kBf16M64; 0 or unset: never.
+  kBf16Wsp = 12,
 };
 
 // The kind on 64-row tiles of a 128-row kind, and back (the 256-token mixed kind's 128-row kind is
@@ -191,6 +196,10 @@ std::string run_u4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStre
 std::string run_u4_bf16_n64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16_n256(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_rs4(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);  // kFp4Bf16, kU4Bf16Rs
+// Kind::kBf16Wsp: workspace bytes (the tile list, with the alignment slack) and the launch on
+// clusters of `cluster` (1 or 2) CTAs.
+size_t bf16_wsp_workspace_bytes(int64_t R, int64_t E);
+std::string run_bf16_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster);
 
 }  // namespace prefill
 }  // namespace hj

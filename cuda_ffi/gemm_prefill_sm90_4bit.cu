@@ -47,9 +47,10 @@
 
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
-#include "grouped_rows.cuh"
 #include "mbarrier_sm90.cuh"
 #include "tensor_map.h"
+#include "tile_list.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace hj {
 namespace prefill {
@@ -101,194 +102,6 @@ struct Params4 {
   const int* count;         // tiles in the list
   int N, K;
 };
-
-// ---------------------------------------------------------------------------------------------
-// wgmma primitives (sm_90a): fence, commit, wait and fence_reg from gemm_decode_sm90.cuh.
-// ---------------------------------------------------------------------------------------------
-// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle (8-row atoms of 128
-// bytes, 1024 bytes apart), from its low word: start address / 16 (shared addresses stay below
-// 2^18, so the 14-bit field never carries into the next) and a leading byte offset of 1.
-__device__ __forceinline__ uint32_t smem_desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
-__device__ __forceinline__ uint64_t smem_desc(uint32_t lo) {
-  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
-}
-
-// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory); acc = 0 overwrites D.
-// One specialization per tile width.
-template <int N>
-struct Mma;
-
-template <>
-struct Mma<16> {
-  static __device__ __forceinline__ void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<32> {
-  static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<48> {
-  static __device__ __forceinline__ void run(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
-        "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<64> {
-  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<80> {
-  static __device__ __forceinline__ void run(float (&d)[40], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
-        "{%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<96> {
-  static __device__ __forceinline__ void run(float (&d)[48], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-        "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<112> {
-  static __device__ __forceinline__ void run(float (&d)[56], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, "
-        "{%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<128> {
-  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
-// Setup: the tile list, and the rows past the last expert as zeros. Block 0 writes the list (a
-// block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
-// share of the zero tail. An expert's rows are split into ceil(rows / max_tokens) near-equal tiles
-// (kMaxTokens, or the warp-specialized form's WsShape<S>::kMaxTokens).
-// ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* offsets, int E, int R, int max_tokens,
-                                                                  int4* tiles, int* count, __nv_bfloat16* c, int64_t N) {
-  extern __shared__ int32_t s_hi[];  // [E], block 0 only
-  int last;
-  if (blockIdx.x == 0) {
-    last = expert_row_ends(offsets, E, R, s_hi);
-    __shared__ int32_t s_first;
-    __shared__ int32_t s_warp[kSetupThreads / 32];
-    const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
-    if (tid == 0) s_first = 0;
-    __syncthreads();
-    for (int e0 = 0; e0 < E; e0 += kSetupThreads) {
-      const int e = e0 + tid;
-      const int lo = e < E ? (e > 0 ? s_hi[e - 1] : 0) : 0;
-      const int rows = e < E ? s_hi[e] - lo : 0;
-      const int n = (rows + max_tokens - 1) / max_tokens;
-      int v = n;  // inclusive scan within the warp, then the warps before
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += y;
-      }
-      if (lane == 31) s_warp[tid >> 5] = v;
-      __syncthreads();
-      int before = s_first + v - n;
-      for (int w = 0; w < (tid >> 5); ++w) before += s_warp[w];
-      for (int i = 0; i < n; ++i) {
-        const int a = static_cast<int>(static_cast<int64_t>(rows) * i / n);
-        const int b = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / n);
-        tiles[before + i] = make_int4(e, lo + a, b - a, 0);
-      }
-      __syncthreads();
-      if (tid == kSetupThreads - 1) s_first = before + n;
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) *count = s_first;
-  } else {
-    last = last_expert_row(offsets, E, R);
-  }
-  zero_rows(c, N * 2, last, R);
-}
 
 // The activations in the mainloop's k order (rs4_k_of), 64-k tiles of 128 bytes: a warp copies
 // kPermuteTiles tiles through shared memory per pass (each lane kPermuteTiles / 4 independent
@@ -1269,11 +1082,11 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   const int64_t zero_work = g.R * g.N / 8;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
-  setup4_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
+  tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
       g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), max_tokens, tiles, count,
       static_cast<__nv_bfloat16*>(g.c), g.N);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("setup4_kernel: ") + cudaGetErrorString(err);
+  if (err != cudaSuccess) return std::string("tile_list_kernel: ") + cudaGetErrorString(err);
   const int64_t ktiles = g.R * (g.K / kBK);
   if (ktiles > 0) {
     const int64_t pblocks = std::min<int64_t>((ktiles + 8 * kPermuteTiles - 1) / (8 * kPermuteTiles), int64_t{dev.sm_count} * 16);

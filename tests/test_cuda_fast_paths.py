@@ -421,6 +421,45 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
         np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
 
 
+_BF16_WSP_LAUNCHES = _ffi.launch_counter("HjPrefillBf16WspLaunches") if GPU is not None else None
+
+# bf16 on the persistent kernel ($HUMMING_JAX_PREFILL_BF16_WSP): M, top-k, E, N, K, routing, bias
+BF16_WSP_CASES = [
+    (1024, 2, 8, 768, 512, "uniform", True),  # 256 rows per expert: tiles of 128, three weight blocks
+    # ~150 rows per expert: two ~75-row tiles each (96 wide), more work items than SMs; an odd number
+    # of weight blocks (the cluster's second CTA past N on the last pair); K = 5 1/8 stages, so the
+    # ring's slots drift across items and the last stage reads zeros past K.
+    (2400, 4, 64, 600, 328, "uniform", False),
+    (1024, 4, 16, 264, 136, "tail", True),  # N, K not multiples of the tiles; rows past off[E]
+    (2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
+    (256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
+]
+
+
+@requires_prefill
+@pytest.mark.parametrize("cluster", ["1", "2"])
+@pytest.mark.parametrize("m,k,e,n,kdim,kind,bias", BF16_WSP_CASES)
+def test_prefill_bf16_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, m, k, e, n, kdim, kind,
+                                                                bias):
+    """HUMMING_JAX_PREFILL_BF16_WSP=1 / 2: the persistent bf16 kernel (tiles of up to 128 tokens in
+    32-token MMAs; clusters of two sharing the tokens by multicast) runs, equals the CPU and the
+    CUTLASS kind up to accumulation order, and is deterministic."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    p = _gemm_inputs(rng, "bf16", m, k, e, n, kdim, kind, bias=bias)
+    what = f"bf16 {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
+    with _LaunchCount(_BF16_WSP_LAUNCHES) as ours:
+        cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "bf16 prefill")
+    assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, cluster)
+    with _LaunchCount(_BF16_WSP_LAUNCHES) as ours:
+        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent bf16")
+        again = _run_gemm(GPU, p)
+    assert ours.count == 2, "the persistent bf16 kernel did not run"
+    _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
+    np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
+
+
 # Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of
 # 16 tokens mostly empty. scheme, M, top-k, E, N, K, routing
 PREFILL_AT_DECODE_SIZES = [

@@ -340,6 +340,28 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
             gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)
 
 
+def test_bf16_wsp_switch_is_checked_when_a_bf16_call_is_traced(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_BF16_WSP takes 0, 1 or 2 (or nothing); any other value fails when a
+    grouped call with bf16 weights and activations is traced, and not for other calls."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
+    assert gemm_ops.bf16_wsp_switch() is None
+    for good in ("0", "1", "2", " +2"):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, good)
+        assert gemm_ops.bf16_wsp_switch() == int(good)
+    e, n, k, rows = 4, 64, 128, 32
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    off = jnp.asarray([0, 8, 16, 24, 32], jnp.int32)
+    w16 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
+    int4 = _int4(rng, e, n, k)
+    for bad in ("3", "-1", "yes", "1 ", "0x1"):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, bad)
+        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_BF16_WSP"):
+            gemm_ops.bf16_wsp_switch()
+        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_BF16_WSP"):
+            jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, w16, None, off, out_dtype=jnp.bfloat16), x, off)
+        jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, int4, None, off, out_dtype=jnp.bfloat16), x, off)
+
+
 def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):
     """$HUMMING_JAX_PREFILL_RS4_WS takes 0 to 4 (or nothing); any other value fails where the
     4-bit mainloop's workspace is sized, and the workspace is the same for every form."""

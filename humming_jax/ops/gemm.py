@@ -371,6 +371,22 @@ def rs4_warp_specialized_switch() -> int | None:
     return value
 
 
+# The bf16 grouped GEMM on our own persistent kernel (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu) instead
+# of the CUTLASS kinds, for unquantized bf16 weights: $HUMMING_JAX_PREFILL_BF16_WSP=1 (one CTA per SM)
+# or =2 (clusters of two sharing the tokens), for A/B timing; 0 or unset, never. Its tile list fits
+# in grouped_workspace_bytes. Read when the call is traced, as by the CUDA handler at each call.
+ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
+
+
+def bf16_wsp_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_BF16_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
+    any other value is an error."""
+    value = _env_int(ENV_PREFILL_BF16_WSP, "0, 1 or 2")
+    if value not in (None, 0, 1, 2):
+        raise ValueError(f"{ENV_PREFILL_BF16_WSP} = {os.environ[ENV_PREFILL_BF16_WSP]!r} is not 0, 1 or 2")
+    return value
+
+
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
                         out_dtype: Any = jnp.bfloat16) -> int:
     """Workspace bytes ``gemm_grouped`` adds for the 4-bit mainloop (its tile list and the permuted
@@ -421,6 +437,8 @@ def gemm_grouped(
     The call also returns a uint8 workspace (an XLA value, so its buffer is apart from every
     other live one); it is dropped here."""
     ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    if w.wtype == WeightType.FLOAT and jnp.dtype(a.dtype) == jnp.bfloat16:
+        bf16_wsp_switch()  # a malformed switch fails here, not as another kernel there
     c, _workspace = _ffi.call(
         "gemm_grouped",
         (

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
@@ -180,32 +181,38 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
 }
 
 // A warpgroup's epilogue: acc[4 i + 2 h + q] is weight row n0 + warp * 16 + g + 8 h, token
-// 8 i + 2 t + q of the tile; plus the expert's bias, rounded to bf16, staged kPassTokens tokens at
-// a time and stored as 16-byte row chunks. sync() is the warpgroup's named barrier.
+// 8 i + 2 t + q of the tile; plus the expert's bias, rounded to bf16 in pairs of tokens, staged
+// kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one staging
+// row) and stored as 16-byte row chunks. sync() is the warpgroup's named barrier.
 template <int kWidth, typename Sync>
 __device__ __forceinline__ void store(const WspParams& W, const float (&acc)[kMaxTokens / 2], int e, int row0, int rows,
                                       int n0, uint8_t* staging, int tid, Sync sync) {
   const int N = W.N;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
   float b[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int n = n0 + warp * 16 + g + 8 * h;
     b[h] = (W.bias != nullptr && n < N) ? __ldg(W.bias + static_cast<int64_t>(e) * N + n) : 0.0f;
   }
+  // Matrix m = lane >> 3 of an x4 store: token block m >> 1 of the pair, row half m & 1; the lane
+  // addresses its token (lane & 7) of it.
+  const int m = lane >> 3;
+  const uint32_t lane_row = smem_addr(staging) + ((m >> 1) * 8 + (lane & 7)) * kStageRow + (warp * 16 + 8 * (m & 1)) * 2;
 #pragma unroll
   for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
     sync();  // the previous pass's reads are done
 #pragma unroll
-    for (int i = 0; i < kPassTokens / 8; ++i)
+    for (int s = 0; s < kPassTokens / 16; ++s) {
+      uint32_t r[4];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int tok = 8 * i + 2 * t + q, r = warp * 16 + g + 8 * h;
-          *reinterpret_cast<__nv_bfloat16*>(staging + tok * kStageRow + r * 2) =
-              __float2bfloat16_rn(acc[4 * (pass * kPassTokens / 8 + i) + 2 * h + q] + b[h]);
-        }
+      for (int mm = 0; mm < 4; ++mm) {
+        const int i = pass * (kPassTokens / 8) + 2 * s + (mm >> 1), h = mm & 1;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * i + 2 * h] + b[h], acc[4 * i + 2 * h + 1] + b[h]);
+        r[mm] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      stmatrix_x4_trans(lane_row + s * 16 * kStageRow, r);
+    }
     sync();
 #pragma unroll
     for (int k = 0; k < kPassTokens * 8 / 128; ++k) {
@@ -227,6 +234,18 @@ __device__ __forceinline__ void item(const WspParams& W, int KT, int4 tile, int 
   const int wg = tid >> 7, bar_id = 1 + wg;
   store<kCh * kChunk>(W, acc, tile.x, tile.y, tile.z, n0 + wg * 64, staging + wg * kStagingBytes, tid & 127,
                       [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); });
+}
+
+// f(std::integral_constant<int, n>) for the item's chunk count n (1 .. kMaxTokens / kChunk).
+template <int kCh = 1, typename F>
+__device__ __forceinline__ void by_chunks(int chunks, F&& f) {
+  if constexpr (kCh < kMaxTokens / kChunk) {
+    if (chunks > kCh) {
+      by_chunks<kCh + 1>(chunks, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kCh>{});
 }
 
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
@@ -276,12 +295,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
       const int n0 = ((i % pairs) * kCluster + rank) * kRowsCta;
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
       // of its parts the MMAs cover.
-      switch (tile_width(tile.z) / kChunk) {
-        case 1: item<1, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, staging, tid, rank); break;
-        case 2: item<2, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, staging, tid, rank); break;
-        case 3: item<3, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, staging, tid, rank); break;
-        default: item<4, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, staging, tid, rank); break;
-      }
+      by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
+        item<decltype(chunks)::value, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc,
+                                                staging, tid, rank);
+      });
     }
   }
   // No CTA of a cluster leaves while its peer may still arrive on its barriers.

@@ -54,7 +54,7 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t a, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(a),
+      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(a),
       "r"(rank)
       : "memory");
 }

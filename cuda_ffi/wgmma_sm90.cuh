@@ -156,5 +156,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+// Four 8 x 8 bf16 matrices of accumulator fragments (thread (g, t) of a quad row holds row g,
+// columns 2 t and 2 t + 1 of each, low half first) stored transposed: lane l gives the address of
+// the 16-byte shared row that takes column (l & 7) of matrix l >> 3.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 }  // namespace prefill
 }  // namespace hj

@@ -181,24 +181,33 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
 }
 
 // A warpgroup's epilogue: acc[4 i + 2 h + q] is weight row n0 + warp * 16 + g + 8 h, token
-// 8 i + 2 t + q of the tile; plus the expert's bias, rounded to bf16 in pairs of tokens, staged
-// kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one staging
-// row) and stored as 16-byte row chunks. sync() is the warpgroup's named barrier.
-template <int kWidth, typename Sync>
+// 8 i + 2 t + q of the tile; plus the expert's bias (kBias), rounded to bf16 in pairs of tokens,
+// staged kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one
+// staging row) and stored as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens
+// tid / 8 + 16 k. sync() is the warpgroup's named barrier.
+template <int kWidth, bool kBias, typename Sync>
 __device__ __forceinline__ void store(const WspParams& W, const float (&acc)[kMaxTokens / 2], int e, int row0, int rows,
                                       int n0, uint8_t* staging, int tid, Sync sync) {
   const int N = W.N;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-  float b[2];
+  float b[2] = {0.0f, 0.0f};
+  if constexpr (kBias) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int n = n0 + warp * 16 + g + 8 * h;
-    b[h] = (W.bias != nullptr && n < N) ? __ldg(W.bias + static_cast<int64_t>(e) * N + n) : 0.0f;
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + warp * 16 + g + 8 * h;
+      if (n < N) b[h] = __ldg(W.bias + static_cast<int64_t>(e) * N + n);
+    }
   }
   // Matrix m = lane >> 3 of an x4 store: token block m >> 1 of the pair, row half m & 1; the lane
   // addresses its token (lane & 7) of it.
   const int m = lane >> 3;
   const uint32_t lane_row = smem_addr(staging) + ((m >> 1) * 8 + (lane & 7)) * kStageRow + (warp * 16 + 8 * (m & 1)) * 2;
+  constexpr int kRowsPerStore = 128 / 8;  // tokens one pass of the warpgroup's 16-byte stores covers
+  const int cc = tid & 7, tok0 = tid >> 3;
+  const bool col_ok = n0 + cc * 8 < N;
+  __nv_bfloat16* out = W.c + static_cast<int64_t>(row0 + tok0) * N + n0 + cc * 8;
+  const int64_t step = static_cast<int64_t>(kRowsPerStore) * N;
+  const uint8_t* from = staging + tok0 * kStageRow + cc * 16;
 #pragma unroll
   for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
     sync();  // the previous pass's reads are done
@@ -208,19 +217,18 @@ __device__ __forceinline__ void store(const WspParams& W, const float (&acc)[kMa
 #pragma unroll
       for (int mm = 0; mm < 4; ++mm) {
         const int i = pass * (kPassTokens / 8) + 2 * s + (mm >> 1), h = mm & 1;
-        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * i + 2 * h] + b[h], acc[4 * i + 2 * h + 1] + b[h]);
+        const float lo = acc[4 * i + 2 * h], hi = acc[4 * i + 2 * h + 1];
+        const __nv_bfloat162 v = kBias ? __floats2bfloat162_rn(lo + b[h], hi + b[h]) : __floats2bfloat162_rn(lo, hi);
         r[mm] = *reinterpret_cast<const uint32_t*>(&v);
       }
       stmatrix_x4_trans(lane_row + s * 16 * kStageRow, r);
     }
     sync();
 #pragma unroll
-    for (int k = 0; k < kPassTokens * 8 / 128; ++k) {
-      const int ch = tid + 128 * k, tok = ch >> 3, cc = ch & 7;
-      const int row = pass * kPassTokens + tok;
-      if (row < rows && n0 + cc * 8 < N)
-        *reinterpret_cast<uint4*>(W.c + static_cast<int64_t>(row0 + row) * N + n0 + cc * 8) =
-            *reinterpret_cast<const uint4*>(staging + tok * kStageRow + cc * 16);
+    for (int k = 0; k < kPassTokens / kRowsPerStore; ++k) {
+      if (pass * kPassTokens + k * kRowsPerStore + tok0 < rows && col_ok)
+        *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from + k * kRowsPerStore * kStageRow);
+      out += step;
     }
   }
 }
@@ -232,8 +240,12 @@ __device__ __forceinline__ void item(const WspParams& W, int KT, int4 tile, int 
                                      int tid, int rank) {
   consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, tid & 31, rank);
   const int wg = tid >> 7, bar_id = 1 + wg;
-  store<kCh * kChunk>(W, acc, tile.x, tile.y, tile.z, n0 + wg * 64, staging + wg * kStagingBytes, tid & 127,
-                      [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); });
+  auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
+  uint8_t* mine = staging + wg * kStagingBytes;
+  if (W.bias != nullptr)
+    store<kCh * kChunk, true>(W, acc, tile.x, tile.y, tile.z, n0 + wg * 64, mine, tid & 127, sync);
+  else
+    store<kCh * kChunk, false>(W, acc, tile.x, tile.y, tile.z, n0 + wg * 64, mine, tid & 127, sync);
 }
 
 // f(std::integral_constant<int, n>) for the item's chunk count n (1 .. kMaxTokens / kChunk).

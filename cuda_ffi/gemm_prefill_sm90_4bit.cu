@@ -1083,7 +1083,7 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
   tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), max_tokens, tiles, count,
+      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), max_tokens, /*chunk=*/1, tiles, count,
       static_cast<__nv_bfloat16*>(g.c), g.N);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("tile_list_kernel: ") + cudaGetErrorString(err);

@@ -5,10 +5,10 @@
 //  * Token granularity. Operands are swapped as in the 4-bit mainloop: 64 weight rows per consumer
 //    warpgroup are wgmma's A operand (ldmatrix from shared memory into registers), a tile of at
 //    most 128 token rows is the B operand in shared memory, issued as kChunk-token MMAs. Each
-//    expert's rows are split into ceil(rows / 128) near-equal tiles (tile_list.cuh), so a tile costs
-//    its rows rounded up to kChunk. The CUTLASS kind's 128-row tiles cost whole 128s: at 128 +- 11
-//    rows per expert (gpt-oss-120b, M = 4096) a third of its MMA work is padding, at 256 +- 16
-//    (qwen3-30b-a3b) a fifth.
+//    expert's rows are split into ceil(rows / 128) tiles of whole chunks but the last (tile_list.cuh),
+//    so an expert costs its rows rounded up to one chunk. The CUTLASS kind's 128-row tiles cost whole
+//    128s: at 128 +- 11 rows per expert (gpt-oss-120b, M = 4096, uniform routing) a third of its MMA
+//    work is padding (ours: a tenth), at 256 +- 16 (qwen3-30b-a3b) a fifth (ours: 6%).
 //  * No tensor-map update between experts: the weights are one 3-D map [E, N, K], the tokens one
 //    map over all R rows. A tile's box reads past its expert's rows into the next expert's (or
 //    zeros past R); those columns of the accumulators are never stored.
@@ -408,7 +408,7 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
   tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), kMaxTokens, tiles, count,
+      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), kMaxTokens, kChunk, tiles, count,
       static_cast<__nv_bfloat16*>(g.c), g.N);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("tile_list_kernel: ") + cudaGetErrorString(err);

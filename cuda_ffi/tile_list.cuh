@@ -15,13 +15,17 @@ namespace prefill {
 namespace {
 // ---------------------------------------------------------------------------------------------
 // Setup of the kernels that run over a tile list (gemm_prefill_sm90_4bit.cu,
-// gemm_prefill_sm90_bf16_wsp.cu): the list, and the rows past the last expert as zeros. Block 0 writes the list (a
-// block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
-// share of the zero tail. An expert's rows are split into ceil(rows / max_tokens) near-equal tiles
-// (max_tokens: the kernel's widest tile). Each entry is (expert, first row, rows, 0); c is [R, N] bf16.
+// gemm_prefill_sm90_bf16_wsp.cu): the list, and the rows past the last expert as zeros. Block 0
+// writes the list (a block scan of the experts' tile counts, kSetupThreads experts at a time); every
+// block takes a share of the zero tail. An expert's rows are split into ceil(rows / max_tokens)
+// tiles (max_tokens: the kernel's widest tile): near-equal ones (chunk <= 1), or whole chunks of
+// `chunk` rows shared out as evenly as possible, the last tile taking the remainder, so that tiles
+// costing their rows rounded up to a chunk cost the expert's rows rounded up to one chunk in all.
+// Each entry is (expert, first row, rows, 0); c is [R, N] bf16.
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kSetupThreads) tile_list_kernel(const int32_t* offsets, int E, int R, int max_tokens,
-                                                                  int4* tiles, int* count, __nv_bfloat16* c, int64_t N) {
+                                                                  int chunk, int4* tiles, int* count, __nv_bfloat16* c,
+                                                                  int64_t N) {
   extern __shared__ int32_t s_hi[];  // [E], block 0 only
   int last;
   if (blockIdx.x == 0) {
@@ -46,10 +50,22 @@ __global__ void __launch_bounds__(kSetupThreads) tile_list_kernel(const int32_t*
       __syncthreads();
       int before = s_first + v - n;
       for (int w = 0; w < (tid >> 5); ++w) before += s_warp[w];
-      for (int i = 0; i < n; ++i) {
-        const int a = static_cast<int>(static_cast<int64_t>(rows) * i / n);
-        const int b = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / n);
-        tiles[before + i] = make_int4(e, lo + a, b - a, 0);
+      if (chunk <= 1) {
+        for (int i = 0; i < n; ++i) {
+          const int a = static_cast<int>(static_cast<int64_t>(rows) * i / n);
+          const int b = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / n);
+          tiles[before + i] = make_int4(e, lo + a, b - a, 0);
+        }
+      } else {
+        // c chunks over n tiles: base each, one more for the first `extra` (at most
+        // max_tokens / chunk each, as c <= n * max_tokens / chunk when max_tokens is whole chunks).
+        const int chunks = (rows + chunk - 1) / chunk, base = n > 0 ? chunks / n : 0, extra = n > 0 ? chunks % n : 0;
+        int a = 0;
+        for (int i = 0; i < n; ++i) {
+          const int b = min(rows, a + (base + (i < extra ? 1 : 0)) * chunk);
+          tiles[before + i] = make_int4(e, lo + a, b - a, 0);
+          a = b;
+        }
       }
       __syncthreads();
       if (tid == kSetupThreads - 1) s_first = before + n;

@@ -426,7 +426,7 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster == 2 ? 1 : 0;  // a CTA alone: a plain launch
   if (cluster == 2) {
     if (!decode::raise_smem_limit_once(gemm16_wsp_kernel<2>, kSmem, true, configured[1]))
       return std::string("gemm16_wsp_kernel: ") + cudaGetErrorString(cudaGetLastError());

@@ -987,27 +987,15 @@ __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid
 // The tensor maps of a launch; an error message, or empty.
 std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R,
                            int rows_cta) {
-  auto encode = tensor_map_encoder();
-  if (encode == nullptr) return "cuTensorMapEncodeTiled is not available";
-  {
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(E)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K / 2), static_cast<cuuint64_t>(K / 2) * static_cast<cuuint64_t>(N)};
-    const cuuint32_t box[3] = {kBK / 2, static_cast<cuuint32_t>(rows_cta), 1}, estrides[3] = {1, 1, 1};
-    if (encode(&W.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(codes), dims, strides, box, estrides,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-      return "cuTensorMapEncodeTiled failed for the codes";
-  }
+  if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
+  if (!encode_rows_3d(&W.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, codes, K / 2, N, E, kBK / 2,
+                      static_cast<uint32_t>(rows_cta), CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+    return "cuTensorMapEncodeTiled failed for the codes";
   // One map per tile width (16, 32, .., 128 rows): a stage's activations are one box.
-  for (int i = 0; i < kMaxTokens / 16; ++i) {
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R), 1};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(K) * 2, static_cast<cuuint64_t>(K) * 2 * static_cast<cuuint64_t>(R)};
-    const cuuint32_t box[3] = {kBK, static_cast<cuuint32_t>(16 * (i + 1)), 1}, estrides[3] = {1, 1, 1};
-    if (encode(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(act), dims, strides, box, estrides,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  for (int i = 0; i < kMaxTokens / 16; ++i)
+    if (!encode_rows_3d(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, act, K, R, 1, kBK, 16 * (i + 1),
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
       return "cuTensorMapEncodeTiled failed for the activations";
-  }
   return std::string();
 }
 

@@ -322,27 +322,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
 
 // The tensor maps of a launch; an error message, or empty.
 std::string tensor_maps(WspParams& W, const void* w, int64_t E, int64_t N, int64_t K, const void* act, int64_t R) {
-  auto encode = tensor_map_encoder();
-  if (encode == nullptr) return "cuTensorMapEncodeTiled is not available";
-  const cuuint64_t row = static_cast<cuuint64_t>(K) * 2;
-  {
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(N), static_cast<cuuint64_t>(E)};
-    const cuuint64_t strides[2] = {row, row * static_cast<cuuint64_t>(N)};
-    const cuuint32_t box[3] = {kBK, kRowsCta, 1}, estrides[3] = {1, 1, 1};
-    if (encode(&W.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(w), dims, strides, box, estrides,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-      return "cuTensorMapEncodeTiled failed for the weights";
-  }
-  for (int i = 0; i < kActMaps; ++i) {
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(R), 1};
-    const cuuint64_t strides[2] = {row, row * static_cast<cuuint64_t>(R)};
-    const cuuint32_t box[3] = {kBK, static_cast<cuuint32_t>(8 * (i + 1)), 1}, estrides[3] = {1, 1, 1};
-    if (encode(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(act), dims, strides, box, estrides,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
+  if (!encode_rows_3d(&W.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, K, N, E, kBK, kRowsCta, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+    return "cuTensorMapEncodeTiled failed for the weights";
+  for (int i = 0; i < kActMaps; ++i)
+    if (!encode_rows_3d(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, act, K, R, 1, kBK, 8 * (i + 1),
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
       return "cuTensorMapEncodeTiled failed for the activations";
-  }
   return std::string();
 }
 

@@ -6,6 +6,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 
 namespace hj {
@@ -25,6 +26,22 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
       cudaGetLastError();
   });
   return fn;
+}
+
+// A 3-D map over `depth` row-major matrices of rows x cols elements of elem_bytes, one after
+// another in memory, read in boxes of box_cols x box_rows x 1 (no interleave, zero fill out of
+// bounds); false where the encoder is missing or refuses the map.
+inline bool encode_rows_3d(CUtensorMap* map, CUtensorMapDataType type, int elem_bytes, const void* base, int64_t cols,
+                           int64_t rows, int64_t depth, uint32_t box_cols, uint32_t box_rows,
+                           CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t row = static_cast<cuuint64_t>(cols) * static_cast<cuuint64_t>(elem_bytes);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(depth)};
+  const cuuint64_t strides[2] = {row, row * static_cast<cuuint64_t>(rows)};
+  const cuuint32_t box[3] = {box_cols, box_rows, 1}, estrides[3] = {1, 1, 1};
+  return encode(map, type, 3, const_cast<void*>(base), dims, strides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace hj

@@ -859,7 +859,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
         tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
       }
       const uint32_t sc_s = sc0 + slot * Sh::kScaleBytes;
-      uint32_t two = 0;
+      [[maybe_unused]] uint32_t two = 0;  // e2m1 with precomputed factors only
 #pragma unroll
       for (int q = 0; q < kWords; ++q) {
         const uint32_t sw = ring[J][q], row = static_cast<uint32_t>(p + 128 * q);
@@ -1066,15 +1066,12 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     const std::string e = codes == Codes::kE2M1 ? prepare_device<Codes::kE2M1>(dev.device) : prepare_device<Codes::kU4>(dev.device);
     if (!e.empty()) return e;
   }
-  // Rows past the last expert: a share per block, as in the other kinds' setup.
-  const int64_t zero_work = g.R * g.N / 8;
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
-  tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), max_tokens, /*chunk=*/1, tiles, count,
-      static_cast<__nv_bfloat16*>(g.c), g.N);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("tile_list_kernel: ") + cudaGetErrorString(err);
+  {
+    const std::string e = launch_tile_list(g.offsets, g.E, g.R, g.N, max_tokens, /*chunk=*/1, tiles, count, g.c,
+                                           dev.sm_count, stream);
+    if (!e.empty()) return e;
+  }
+  cudaError_t err;
   const int64_t ktiles = g.R * (g.K / kBK);
   if (ktiles > 0) {
     const int64_t pblocks = std::min<int64_t>((ktiles + 8 * kPermuteTiles - 1) / (8 * kPermuteTiles), int64_t{dev.sm_count} * 16);

@@ -390,15 +390,12 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   W.count = count;
   W.N = static_cast<int>(g.N);
   W.K = static_cast<int>(g.K);
-  // The list and the zero rows past the last expert (a share per block, as in the other kinds).
-  const int64_t zero_work = g.R * g.N / 8;
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
-  tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), kMaxTokens, kChunk, tiles, count,
-      static_cast<__nv_bfloat16*>(g.c), g.N);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("tile_list_kernel: ") + cudaGetErrorString(err);
+  {
+    // The list (whole chunks) and the zero rows past the last expert.
+    const std::string e = launch_tile_list(g.offsets, g.E, g.R, g.N, kMaxTokens, kChunk, tiles, count, g.c,
+                                           dev.sm_count, stream);
+    if (!e.empty()) return e;
+  }
   // The items' bound on the host (the tile count is known on the device only).
   const int64_t nb = (g.N + kRowsCta - 1) / kRowsCta, pairs = (nb + cluster - 1) / cluster;
   const int64_t items = static_cast<int64_t>(list_entries(g.R, g.E)) * pairs;
@@ -414,6 +411,7 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = cluster == 2 ? 1 : 0;  // a CTA alone: a plain launch
+  cudaError_t err;
   if (cluster == 2) {
     if (!decode::raise_smem_limit_once(gemm16_wsp_kernel<2>, kSmem, true, configured[1]))
       return std::string("gemm16_wsp_kernel: ") + cudaGetErrorString(cudaGetLastError());

@@ -6,7 +6,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "grouped_rows.cuh"
 
@@ -76,6 +78,20 @@ __global__ void __launch_bounds__(kSetupThreads) tile_list_kernel(const int32_t*
     last = last_expert_row(offsets, E, R);
   }
   zero_rows(c, N * 2, last, R);
+}
+
+// tile_list_kernel on `stream` for the call's offsets and output c [R, N] (the zero rows shared out
+// over up to four blocks an SM); an error message, or empty.
+inline std::string launch_tile_list(const int32_t* offsets, int64_t E, int64_t R, int64_t N, int max_tokens, int chunk,
+                                    int4* tiles, int* count, void* c, int sm_count, cudaStream_t stream) {
+  const int64_t zero_work = R * N / 8;
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(int64_t{sm_count} * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
+  tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, E * sizeof(int32_t), stream>>>(
+      offsets, static_cast<int>(E), static_cast<int>(R), max_tokens, chunk, tiles, count,
+      static_cast<__nv_bfloat16*>(c), N);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string("tile_list_kernel: ") + cudaGetErrorString(err);
 }
 }  // namespace
 

@@ -35,6 +35,7 @@
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
 #include "mbarrier_sm90.cuh"
+#include "prefill_wsp_sm90.cuh"
 #include "tensor_map.h"
 #include "tile_list.cuh"
 #include "wgmma_sm90.cuh"
@@ -49,24 +50,25 @@ using decode::wgmma_commit;
 using decode::wgmma_fence;
 using decode::wgmma_wait;
 
+using wsp::by_chunks;
+using wsp::kActMaps;
+using wsp::kChunk;
+using wsp::kMaxTokens;
+using wsp::kStagingBytes;
+using wsp::release;
+using wsp::tile_width;
+
 constexpr int kBK = 64;                           // k per stage: one 128-byte swizzle row of bf16
 constexpr int kGroups = 4;                        // consumer warpgroups
 constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
 constexpr int kRowsCta = 64 * kGroups;            // weight rows (output columns) per CTA
-constexpr int kMaxTokens = 128;                   // token rows per tile
-constexpr int kChunk = 32;                        // tokens per MMA (wgmma's N)
 constexpr int kWBytes = kRowsCta * kBK * 2;       // a stage's weights (32 KB: one TMA box)
 constexpr int kActBytes = kMaxTokens * kBK * 2;   // a stage's tokens (16 KB)
 constexpr int kStages = 4;
-constexpr int kPassTokens = 32;                   // tokens per epilogue pass
-constexpr int kStageRow = 64 * 2 + 16;            // a warpgroup's staging row (bytes)
-constexpr int kStagingBytes = kPassTokens * kStageRow;
 constexpr int kRingBytes = kStages * (kWBytes + kActBytes);
 constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
 // setmaxnreg from the launch's 96 (640 threads): 32 x 128 + 120 x 512 = 64 K.
 constexpr int kProducerRegs = 32, kConsumerRegs = 120;
-constexpr int kActMaps = kMaxTokens / 16;  // half-tile boxes of 8, 16, .., 64 rows
-static_assert(kMaxTokens % kChunk == 0 && kChunk % 16 == 0 && kChunk <= 64, "chunks");
 static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 65536, "register budget");
 static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
 
@@ -83,9 +85,6 @@ struct WspParams {
   const int* count;               // tiles in the list
   int N, K;
 };
-
-// A tile's width: its rows rounded up to a whole chunk.
-__device__ __forceinline__ int tile_width(int rows) { return min((rows + kChunk - 1) / kChunk * kChunk, kMaxTokens); }
 
 // The producer (one thread): for each of this cluster's items, its KT stages into the ring; slot
 // and phase run on across items. Each stage: the CTA's 256 weight rows (one box), and half of the
@@ -121,16 +120,6 @@ __device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_
         phase ^= 1u;
       }
     }
-  }
-}
-
-// A slot's release by a consumer warp (its lanes' ldmatrix and MMA reads done): in this CTA's empty
-// barrier and, in a cluster, in the peer's, whose producer multicasts into this CTA's slot.
-template <int kCluster>
-__device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
-  if (lane == 0) {
-    mbar_arrive(bar);
-    if constexpr (kCluster == 2) mbar_arrive_cluster(bar, static_cast<uint32_t>(rank ^ 1));
   }
 }
 
@@ -180,84 +169,13 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
   release<kCluster>(bar_empty + 8 * prev, lane, rank);
 }
 
-// A warpgroup's epilogue: acc[4 i + 2 h + q] is weight row n0 + warp * 16 + g + 8 h, token
-// 8 i + 2 t + q of the tile; plus the expert's bias (kBias), rounded to bf16 in pairs of tokens,
-// staged kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one
-// staging row) and stored as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens
-// tid / 8 + 16 k. sync() is the warpgroup's named barrier.
-template <int kWidth, bool kBias, typename Sync>
-__device__ __forceinline__ void store(const WspParams& W, const float (&acc)[kMaxTokens / 2], int e, int row0, int rows,
-                                      int n0, uint8_t* staging, int tid, Sync sync) {
-  const int N = W.N;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-  float b[2] = {0.0f, 0.0f};
-  if constexpr (kBias) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = n0 + warp * 16 + g + 8 * h;
-      if (n < N) b[h] = __ldg(W.bias + static_cast<int64_t>(e) * N + n);
-    }
-  }
-  // Matrix m = lane >> 3 of an x4 store: token block m >> 1 of the pair, row half m & 1; the lane
-  // addresses its token (lane & 7) of it.
-  const int m = lane >> 3;
-  const uint32_t lane_row = smem_addr(staging) + ((m >> 1) * 8 + (lane & 7)) * kStageRow + (warp * 16 + 8 * (m & 1)) * 2;
-  constexpr int kRowsPerStore = 128 / 8;  // tokens one pass of the warpgroup's 16-byte stores covers
-  const int cc = tid & 7, tok0 = tid >> 3;
-  const bool col_ok = n0 + cc * 8 < N;
-  __nv_bfloat16* out = W.c + static_cast<int64_t>(row0 + tok0) * N + n0 + cc * 8;
-  const int64_t step = static_cast<int64_t>(kRowsPerStore) * N;
-  const uint8_t* from = staging + tok0 * kStageRow + cc * 16;
-#pragma unroll
-  for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
-    sync();  // the previous pass's reads are done
-#pragma unroll
-    for (int s = 0; s < kPassTokens / 16; ++s) {
-      uint32_t r[4];
-#pragma unroll
-      for (int mm = 0; mm < 4; ++mm) {
-        const int i = pass * (kPassTokens / 8) + 2 * s + (mm >> 1), h = mm & 1;
-        const float lo = acc[4 * i + 2 * h], hi = acc[4 * i + 2 * h + 1];
-        const __nv_bfloat162 v = kBias ? __floats2bfloat162_rn(lo + b[h], hi + b[h]) : __floats2bfloat162_rn(lo, hi);
-        r[mm] = *reinterpret_cast<const uint32_t*>(&v);
-      }
-      stmatrix_x4_trans(lane_row + s * 16 * kStageRow, r);
-    }
-    sync();
-#pragma unroll
-    for (int k = 0; k < kPassTokens / kRowsPerStore; ++k) {
-      if (pass * kPassTokens + k * kRowsPerStore + tok0 < rows && col_ok)
-        *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from + k * kRowsPerStore * kStageRow);
-      out += step;
-    }
-  }
-}
-
 template <int kCh, int kCluster>
 __device__ __forceinline__ void item(const WspParams& W, int KT, int4 tile, int n0, uint32_t w_t, uint32_t x,
                                      uint32_t act0, uint32_t bar_full, uint32_t bar_empty,
                                      uint32_t& slot, uint32_t& phase, float (&acc)[kMaxTokens / 2], uint8_t* staging,
                                      int tid, int rank) {
   consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, tid & 31, rank);
-  const int wg = tid >> 7, bar_id = 1 + wg;
-  auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
-  uint8_t* mine = staging + wg * kStagingBytes;
-  if (W.bias != nullptr)
-    store<kCh * kChunk, true>(W, acc, tile.x, tile.y, tile.z, n0 + wg * 64, mine, tid & 127, sync);
-  else
-    store<kCh * kChunk, false>(W, acc, tile.x, tile.y, tile.z, n0 + wg * 64, mine, tid & 127, sync);
-}
-
-// f(std::integral_constant<int, n>) for the item's chunk count n (1 .. kMaxTokens / kChunk).
-template <int kCh = 1, typename F>
-__device__ __forceinline__ void by_chunks(int chunks, F&& f) {
-  if constexpr (kCh < kMaxTokens / kChunk) {
-    if (chunks > kCh) {
-      by_chunks<kCh + 1>(chunks, f);
-      return;
-    }
-  }
-  f(std::integral_constant<int, kCh>{});
+  wsp::store_group<kCh * kChunk>(W, acc, tile, n0 + (tid >> 7) * 64, staging, tid);
 }
 
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
@@ -333,49 +251,15 @@ std::string tensor_maps(WspParams& W, const void* w, int64_t E, int64_t N, int64
   return std::string();
 }
 
-// The workspace from its (128-byte aligned) base: the tile count (128 bytes), then the tile list:
-// ceil(rows / 128) tiles an expert, at most R / 128 + E of them.
-size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMaxTokens + E + 1); }
-
-// Co-resident clusters of two of the kernel on this device (a GPC's SMs pair up; the count can be
-// below SMs / 2), asked once per device.
-int max_clusters(int device, int sm_count) {
-  static std::mutex mu;
-  static int cached[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  std::lock_guard<std::mutex> lock(mu);
-  if (cached[device] == 0) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(sm_count / 2 * 2));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, gemm16_wsp_kernel<2>, &cfg) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      return 0;
-    }
-    cached[device] = n;
-  }
-  return cached[device];
-}
-
 }  // namespace
 
 size_t bf16_wsp_workspace_bytes(int64_t R, int64_t E) {
   // The count, the list, and the slack run_grouped spends on aligning the base.
-  return 128 + 128 + list_entries(R, E) * 16;
+  return 128 + 128 + wsp::list_entries(R, E) * 16;
 }
 
 std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
-  if (cluster != 1 && cluster != 2) return "cluster size must be 1 or 2";
-  if (g.workspace_bytes < 128 + list_entries(g.R, g.E) * 16) return "workspace too small for the tile list";
+  if (g.workspace_bytes < 128 + wsp::list_entries(g.R, g.E) * 16) return "workspace too small for the tile list";
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
   int* count = reinterpret_cast<int*>(ws);
   int4* tiles = reinterpret_cast<int4*>(ws + 128);
@@ -398,35 +282,10 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
   }
   // The items' bound on the host (the tile count is known on the device only).
   const int64_t nb = (g.N + kRowsCta - 1) / kRowsCta, pairs = (nb + cluster - 1) / cluster;
-  const int64_t items = static_cast<int64_t>(list_entries(g.R, g.E)) * pairs;
-  static unsigned configured[2] = {0, 0};
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = cluster == 2 ? 1 : 0;  // a CTA alone: a plain launch
-  cudaError_t err;
-  if (cluster == 2) {
-    if (!decode::raise_smem_limit_once(gemm16_wsp_kernel<2>, kSmem, true, configured[1]))
-      return std::string("gemm16_wsp_kernel: ") + cudaGetErrorString(cudaGetLastError());
-    const int clusters = max_clusters(dev.device, dev.sm_count);
-    if (clusters <= 0) return "no cluster of two CTAs of gemm16_wsp_kernel fits on this device";
-    cfg.gridDim = dim3(static_cast<unsigned>(2 * std::min<int64_t>(clusters, items)));
-    err = cudaLaunchKernelEx(&cfg, gemm16_wsp_kernel<2>, W);
-  } else {
-    if (!decode::raise_smem_limit_once(gemm16_wsp_kernel<1>, kSmem, true, configured[0]))
-      return std::string("gemm16_wsp_kernel: ") + cudaGetErrorString(cudaGetLastError());
-    cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(dev.sm_count, items)));
-    err = cudaLaunchKernelEx(&cfg, gemm16_wsp_kernel<1>, W);
-  }
-  if (err == cudaSuccess) err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("gemm16_wsp_kernel: ") + cudaGetErrorString(err);
+  const std::string e = wsp::launch(gemm16_wsp_kernel<1>, gemm16_wsp_kernel<2>, W, cluster, kThreads, kSmem,
+                                    static_cast<int64_t>(wsp::list_entries(g.R, g.E)) * pairs, dev.device,
+                                    dev.sm_count, stream, "gemm16_wsp_kernel");
+  if (!e.empty()) return e;
   g_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();
 }

@@ -1,0 +1,180 @@
+// The pieces shared by our persistent swapped-operand grouped GEMMs (gemm_prefill_sm90_bf16_wsp.cu,
+// gemm_prefill_sm90_fp8_wsp.cu): 64 weight rows per consumer warpgroup on wgmma's A operand, a tile
+// of at most kMaxTokens token rows on B, issued as kChunk-token MMAs; the tile widths, the dispatch
+// on a tile's chunk count, a consumer warp's release of a ring slot (in both CTAs of a cluster), the
+// epilogue of a warpgroup's rows, and the launch on clusters of one or two CTAs.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include "gemm_decode_sm90.cuh"
+#include "mbarrier_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace hj {
+namespace prefill {
+namespace wsp {
+
+constexpr int kMaxTokens = 128;                        // token rows per tile
+constexpr int kChunk = 32;                             // tokens per MMA (wgmma's N)
+constexpr int kActMaps = kMaxTokens / 16;              // half-tile boxes of 8, 16, .., 64 rows
+constexpr int kPassTokens = 32;                        // tokens per epilogue pass
+constexpr int kStageRow = 64 * 2 + 16;                 // a warpgroup's staging row (bytes)
+constexpr int kStagingBytes = kPassTokens * kStageRow;  // a warpgroup's staging buffer
+static_assert(kMaxTokens % kChunk == 0 && kChunk % 16 == 0 && kChunk <= 64, "chunks");
+
+// The tile list (tile_list.cuh, in whole chunks): ceil(rows / kMaxTokens) tiles an expert, at most
+// R / kMaxTokens + E of them; the workspace holds the count (128 bytes), then the list.
+inline size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMaxTokens + E + 1); }
+
+// A tile's width: its rows rounded up to a whole chunk.
+__device__ __forceinline__ int tile_width(int rows) { return min((rows + kChunk - 1) / kChunk * kChunk, kMaxTokens); }
+
+// f(std::integral_constant<int, n>) for a tile's chunk count n (1 .. kMaxTokens / kChunk).
+template <int kCh = 1, typename F>
+__device__ __forceinline__ void by_chunks(int chunks, F&& f) {
+  if constexpr (kCh < kMaxTokens / kChunk) {
+    if (chunks > kCh) {
+      by_chunks<kCh + 1>(chunks, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, kCh>{});
+}
+
+// A slot's release by a consumer warp (its lanes' reads of it done): in this CTA's empty barrier
+// and, in a cluster, in the peer's, whose producer multicasts into this CTA's slot.
+template <int kCluster>
+__device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
+  if (lane == 0) {
+    mbar_arrive(bar);
+    if constexpr (kCluster == 2) mbar_arrive_cluster(bar, static_cast<uint32_t>(rank ^ 1));
+  }
+}
+
+// A warpgroup's epilogue: acc[4 i + 2 h + q] is weight row n0 + warp * 16 + g + 8 h, token
+// 8 i + 2 t + q of the tile; plus the expert's bias (kBias), rounded to bf16 in pairs of tokens,
+// staged kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one
+// staging row) and stored as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens
+// tid / 8 + 16 k. sync() is the warpgroup's named barrier. o: the kernel's parameters, with c [R, N]
+// bf16, bias [E, N] float or nullptr, and N (read where used, from the parameter space).
+template <int kWidth, bool kBias, typename Params, typename Sync>
+__device__ __forceinline__ void store(const Params& o, const float (&acc)[kMaxTokens / 2], int e, int row0, int rows, int n0,
+                                      uint8_t* staging, int tid, Sync sync) {
+  const int N = o.N;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  float b[2] = {0.0f, 0.0f};
+  if constexpr (kBias) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n0 + warp * 16 + g + 8 * h;
+      if (n < N) b[h] = __ldg(o.bias + static_cast<int64_t>(e) * N + n);
+    }
+  }
+  // Matrix m = lane >> 3 of an x4 store: token block m >> 1 of the pair, row half m & 1; the lane
+  // addresses its token (lane & 7) of it.
+  const int m = lane >> 3;
+  const uint32_t lane_row =
+      decode::smem_addr(staging) + ((m >> 1) * 8 + (lane & 7)) * kStageRow + (warp * 16 + 8 * (m & 1)) * 2;
+  constexpr int kRowsPerStore = 128 / 8;  // tokens one pass of the warpgroup's 16-byte stores covers
+  const int cc = tid & 7, tok0 = tid >> 3;
+  const bool col_ok = n0 + cc * 8 < N;
+  __nv_bfloat16* out = o.c + static_cast<int64_t>(row0 + tok0) * N + n0 + cc * 8;
+  const int64_t step = static_cast<int64_t>(kRowsPerStore) * N;
+  const uint8_t* from = staging + tok0 * kStageRow + cc * 16;
+#pragma unroll
+  for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
+    sync();  // the previous pass's reads are done
+#pragma unroll
+    for (int s = 0; s < kPassTokens / 16; ++s) {
+      uint32_t r[4];
+#pragma unroll
+      for (int mm = 0; mm < 4; ++mm) {
+        const int i = pass * (kPassTokens / 8) + 2 * s + (mm >> 1), h = mm & 1;
+        const float lo = acc[4 * i + 2 * h], hi = acc[4 * i + 2 * h + 1];
+        const __nv_bfloat162 v = kBias ? __floats2bfloat162_rn(lo + b[h], hi + b[h]) : __floats2bfloat162_rn(lo, hi);
+        r[mm] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      stmatrix_x4_trans(lane_row + s * 16 * kStageRow, r);
+    }
+    sync();
+#pragma unroll
+    for (int k = 0; k < kPassTokens / kRowsPerStore; ++k) {
+      if (pass * kPassTokens + k * kRowsPerStore + tok0 < rows && col_ok)
+        *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(from + k * kRowsPerStore * kStageRow);
+      out += step;
+    }
+  }
+}
+
+// The epilogue of consumer warpgroup tid / 128 (its 64 rows from n0w, its staging buffer and named
+// barrier 1 + the group), with or without a bias.
+template <int kWidth, typename Params>
+__device__ __forceinline__ void store_group(const Params& o, const float (&acc)[kMaxTokens / 2], int4 tile, int n0w,
+                                            uint8_t* staging, int tid) {
+  const int wg = tid >> 7, bar_id = 1 + wg;
+  auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
+  uint8_t* mine = staging + wg * kStagingBytes;
+  if (o.bias != nullptr)
+    store<kWidth, true>(o, acc, tile.x, tile.y, tile.z, n0w, mine, tid & 127, sync);
+  else
+    store<kWidth, false>(o, acc, tile.x, tile.y, tile.z, n0w, mine, tid & 127, sync);
+}
+
+// The launch of a persistent kernel with `items` work items (a bound: the tile count is known on the
+// device only) on clusters of `cluster` (1 or 2) CTAs: one CTA per SM, or per item where there
+// are fewer; clusters of two as many as fit at once (a GPC's SMs pair up, so that can be below
+// SMs / 2; asked once per device). one / two are the kernel's forms for clusters of one / two CTAs
+// (one kernel per Params type, whose statics these are). An error message, or empty.
+template <typename Params>
+std::string launch(void (*one)(Params), void (*two)(Params), const Params& params, int cluster, int threads, int smem,
+                   int64_t items, int device, int sm_count, cudaStream_t stream, const char* name) {
+  static std::mutex mu;
+  static unsigned configured[2] = {0, 0};
+  static int clusters_cache[64] = {};
+  if (cluster != 1 && cluster != 2) return "cluster size must be 1 or 2";
+  if (device < 0 || device >= 64) return "device index out of range";
+  auto kernel = cluster == 2 ? two : one;
+  if (!decode::raise_smem_limit_once(kernel, smem, true, configured[cluster - 1]))
+    return std::string(name) + ": " + cudaGetErrorString(cudaGetLastError());
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cluster == 2 ? 1 : 0;  // a CTA alone: a plain launch
+  int64_t ctas = std::min<int64_t>(sm_count, items);
+  if (cluster == 2) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (clusters_cache[device] == 0) {
+      cfg.gridDim = dim3(static_cast<unsigned>(sm_count / 2 * 2));
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n <= 0) {
+        cudaGetLastError();
+        return std::string("no cluster of two CTAs of ") + name + " fits on this device";
+      }
+      clusters_cache[device] = n;
+    }
+    ctas = 2 * std::min<int64_t>(clusters_cache[device], items);
+  }
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, params);
+  if (err == cudaSuccess) err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string(name) + ": " + cudaGetErrorString(err);
+}
+
+}  // namespace wsp
+}  // namespace prefill
+}  // namespace hj

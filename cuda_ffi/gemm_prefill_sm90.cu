@@ -60,6 +60,12 @@ int bf16_wsp_cluster() {
   return v == 1 || v == 2 ? static_cast<int>(v) : 0;
 }
 
+// HUMMING_JAX_PREFILL_FP8_WSP: the same for the w8a8-fp8-block128 calls and Kind::kFp8Block128Wsp.
+int fp8_wsp_cluster() {
+  const int64_t v = env_count("HUMMING_JAX_PREFILL_FP8_WSP", 0, 0);
+  return v == 1 || v == 2 ? static_cast<int>(v) : 0;
+}
+
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
 int tile_rows_from_env() {
@@ -107,6 +113,7 @@ const char* kind_name(Kind k) {
     case Kind::kFp4Bf16: return "fp4-bf16";
     case Kind::kU4Bf16Rs: return "u4-bf16-rs";
     case Kind::kBf16Wsp: return "bf16-wsp";
+    case Kind::kFp8Block128Wsp: return "fp8-block128-wsp";
     default: return "none";
   }
 }
@@ -209,7 +216,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   if (w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.c_type == ElemType::kBF16 &&
       w.scale_type == ElemType::kF32 && w.zero == nullptr && w.scale2 == nullptr && w.group_n == 128 &&
       w.group_k == 128 && p.a.group_k == 128 && N % 128 == 0 && K % 128 == 0 && p.a.scale != nullptr)
-    return Kind::kFp8Block128;
+    return fp8_wsp_cluster() > 0 ? Kind::kFp8Block128Wsp : Kind::kFp8Block128;
   return Kind::kNone;
 }
 }  // namespace
@@ -217,7 +224,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
 Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
   const Kind wide = choose_wide(p, R, dev, allow_rs4);
   if (wide == Kind::kNone) return wide;
-  if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs || wide == Kind::kBf16Wsp)
+  if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs || wide == Kind::kBf16Wsp || wide == Kind::kFp8Block128Wsp)
     return wide;  // tile widths follow each tile's rows
   const int forced = tile_rows_from_env();
   if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
@@ -236,7 +243,8 @@ bool is_rs4(Kind k) { return k == Kind::kFp4Bf16 || k == Kind::kU4Bf16Rs; }
 // What a launch of args.kind needs of the workspace.
 size_t needed_bytes(const GroupedArgs& args, const DeviceInfo& dev) {
   if (is_rs4(args.kind)) return rs4_workspace_bytes(args.R, args.K, args.E);
-  if (args.kind == Kind::kBf16Wsp) return bf16_wsp_workspace_bytes(args.R, args.E);
+  if (args.kind == Kind::kBf16Wsp || args.kind == Kind::kFp8Block128Wsp)
+    return wsp_workspace_bytes(args.R, args.E);
   size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
   if (wide_kind(args.kind) == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
   return need;
@@ -285,6 +293,7 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kFp4Bf16:
     case Kind::kU4Bf16Rs: err = run_rs4(a, dev, stream); break;
     case Kind::kBf16Wsp: err = run_bf16_wsp(a, dev, stream, bf16_wsp_cluster() == 2 ? 2 : 1); break;
+    case Kind::kFp8Block128Wsp: err = run_fp8_wsp(a, dev, stream, fp8_wsp_cluster() == 2 ? 2 : 1); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())

@@ -253,7 +253,7 @@ std::string tensor_maps(WspParams& W, const void* w, int64_t E, int64_t N, int64
 
 }  // namespace
 
-size_t bf16_wsp_workspace_bytes(int64_t R, int64_t E) {
+size_t wsp_workspace_bytes(int64_t R, int64_t E) {
   // The count, the list, and the slack run_grouped spends on aligning the base.
   return 128 + 128 + wsp::list_entries(R, E) * 16;
 }

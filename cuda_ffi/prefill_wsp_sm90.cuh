@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "gemm_decode_sm90.cuh"
 #include "mbarrier_sm90.cuh"
@@ -47,6 +48,16 @@ __device__ __forceinline__ void by_chunks(int chunks, F&& f) {
     }
   }
   f(std::integral_constant<int, kCh>{});
+}
+
+// f(std::integral_constant<int, 0>), .., f(std::integral_constant<int, n - 1>), in order.
+template <typename F, int... I>
+__device__ __forceinline__ void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int n, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, n>{});
 }
 
 // A slot's release by a consumer warp (its lanes' reads of it done): in this CTA's empty barrier

@@ -147,6 +147,19 @@ struct Mma<128> {
   }
 };
 
+// D[64 x 32] (+)= A[64 x 32] (registers) * B[32 x 32] (shared memory), e4m3 codes, f32 accumulation;
+// acc = 0 overwrites D. A's registers hold the same bytes of the same rows as a bf16 16 x 16
+// fragment (ldmatrix_x4 loads either).
+__device__ __forceinline__ void mma_e4m3_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+}
+
 // A 16 x 16 bf16 fragment of wgmma's / mma's A operand from shared memory: lane l gives the address
 // of row (l & 7) + 8 ((l >> 3) & 1), 8-column half l >> 4; r[0..3] = (rows 0-7, k 0-7), (8-15, 0-7),
 // (0-7, 8-15), (8-15, 8-15).

@@ -1,10 +1,11 @@
 """Runs every humming_jax custom call on the GPU at small shapes, every weight type and layout, for
 compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py [--rs4 | --bf16] [--cpu]
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py [--rs4 | --wsp] [--cpu]
 
-(--rs4: only the 4-bit mainloop's calls; --bf16: only the bf16 grouped calls, for a run with
-HUMMING_JAX_PREFILL_BF16_WSP; --cpu: on the CPU backend, to check this script.)
+(--rs4: only the 4-bit mainloop's calls; --wsp: only the bf16 and w8a8-fp8-block128 grouped calls,
+for a run with HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP; --cpu: on the CPU backend, to check this
+script.)
 
 Shapes are chosen to reach the kernels' edge paths: N not a multiple of the tile, K not a multiple
 of 8 or 32, scale groups narrower than 8 columns, empty experts, padding ids, zero tokens.
@@ -94,10 +95,11 @@ def rs4_many_items():
         prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64))
 
 
-def bf16_many_items():
-    """bf16 grouped calls with more work items than SMs (~150 rows on each of 64 experts: two
-    tiles each; N = 600, three weight blocks, the last partial; K = 328, a partial last k stage)."""
+def wsp_many_items():
+    """bf16 and fp8 grouped calls with more work items than SMs (~150 rows on each of 64 experts:
+    two tiles each; N = 600 / 512, the last weight block partial; a partial last k stage for bf16)."""
     prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64))
+    prefill_grouped("w8a8-fp8-block128", 2400, e=64, n=512, k=384, topk=4, experts=range(64))
 
 
 def main() -> None:
@@ -112,14 +114,14 @@ def main() -> None:
         rs4_many_items()
         print(f"sanitize_driver: {calls} jitted calls completed (--rs4)")
         return
-    if "--bf16" in sys.argv:
-        # Only bf16 grouped calls (for a sanitizer run of the persistent bf16 kernel,
-        # HUMMING_JAX_PREFILL_BF16_WSP=1 or 2).
-        for m in (300, 60):
-            prefill_grouped("bf16", m)
+    if "--wsp" in sys.argv:
+        # Only the calls of the persistent bf16 and fp8 kernels (for a sanitizer run with
+        # HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP = 1 or 2).
+        for scheme, m in itertools.product(("bf16", "w8a8-fp8-block128"), (300, 60)):
+            prefill_grouped(scheme, m)
         prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8))
-        bf16_many_items()
-        print(f"sanitize_driver: {calls} jitted calls completed (--bf16)")
+        wsp_many_items()
+        print(f"sanitize_driver: {calls} jitted calls completed (--wsp)")
         return
     # Routing and permutation, including zero tokens and per-expert padding of block_m = 5; up to
     # 32 entries the single-warp routing kernel, above it the per-expert one.
@@ -182,7 +184,7 @@ def main() -> None:
                                        (1200, 300, 60)):
         prefill_grouped(scheme, m)
     rs4_many_items()
-    bf16_many_items()
+    wsp_many_items()
     # Activation, fused quantization, quantization, finalize.
     x = jnp.asarray(rng.standard_normal((9, 2 * 136)), jnp.bfloat16)
     for name in sorted(ACTIVATIONS):

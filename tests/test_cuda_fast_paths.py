@@ -422,6 +422,7 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
 
 
 _BF16_WSP_LAUNCHES = _ffi.launch_counter("HjPrefillBf16WspLaunches") if GPU is not None else None
+_FP8_WSP_LAUNCHES = _ffi.launch_counter("HjPrefillFp8WspLaunches") if GPU is not None else None
 
 # bf16 on the persistent kernel ($HUMMING_JAX_PREFILL_BF16_WSP): M, top-k, E, N, K, routing, bias
 BF16_WSP_CASES = [
@@ -456,6 +457,42 @@ def test_prefill_bf16_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch
         got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent bf16")
         again = _run_gemm(GPU, p)
     assert ours.count == 2, "the persistent bf16 kernel did not run"
+    _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
+    np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
+
+
+# w8a8-fp8-block128 on the persistent kernel ($HUMMING_JAX_PREFILL_FP8_WSP): M, top-k, E, N, K, routing, bias
+FP8_WSP_CASES = [
+    (1024, 2, 8, 768, 512, "uniform", True),  # 256 rows per expert: tiles of 128, four 192-row blocks
+    # ~150 rows per expert: two tiles each, more work items than SMs; N = 512: three 192-row blocks
+    # (the cluster's second CTA past N on the last pair, the last block's second 128-row scale
+    # block past N); K = 3 stages, so the 5-stage ring's slots drift across items.
+    (2400, 4, 64, 512, 384, "uniform", False),
+    (1024, 4, 16, 256, 384, "tail", True),  # rows past off[E]
+    (2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
+    (256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
+]
+
+
+@requires_prefill
+@pytest.mark.parametrize("cluster", ["1", "2"])
+@pytest.mark.parametrize("m,k,e,n,kdim,kind,bias", FP8_WSP_CASES)
+def test_prefill_fp8_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, m, k, e, n, kdim, kind,
+                                                               bias):
+    """HUMMING_JAX_PREFILL_FP8_WSP=1 / 2: the persistent fp8 block-scaled kernel runs, equals the CPU
+    and the CUTLASS blockwise kind up to accumulation order, and is deterministic."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP8_WSP, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    p = _gemm_inputs(rng, "w8a8-fp8-block128", m, k, e, n, kdim, kind, bias=bias)
+    what = f"fp8 {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
+    with _LaunchCount(_FP8_WSP_LAUNCHES) as ours:
+        cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "fp8 prefill")
+    assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP8_WSP, cluster)
+    with _LaunchCount(_FP8_WSP_LAUNCHES) as ours:
+        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent fp8")
+        again = _run_gemm(GPU, p)
+    assert ours.count == 2, "the persistent fp8 kernel did not run"
     _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 

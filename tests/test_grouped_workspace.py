@@ -362,6 +362,34 @@ def test_bf16_wsp_switch_is_checked_when_a_bf16_call_is_traced(rng, monkeypatch)
         jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, int4, None, off, out_dtype=jnp.bfloat16), x, off)
 
 
+def test_fp8_wsp_switch_is_checked_when_an_fp8_call_is_traced(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_FP8_WSP takes 0, 1 or 2 (or nothing); any other value fails when a
+    grouped call with fp8 codes on both sides is traced, and not for a bf16 one."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP8_WSP, raising=False)
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
+    assert gemm_ops.fp8_wsp_switch() is None
+    for good in ("0", "1", "2", " +2"):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP8_WSP, good)
+        assert gemm_ops.fp8_wsp_switch() == int(good)
+    e, n, k, rows = 4, 128, 256, 32
+    off = jnp.asarray([0, 8, 16, 24, 32], jnp.int32)
+    a8 = jnp.asarray(rng.standard_normal((rows, k)), jnp.float8_e4m3fn)
+    s8 = jnp.asarray(rng.random((rows, k // 128)) + 0.5, jnp.float32)
+    w8 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float8_e4m3fn),
+                      jnp.asarray(rng.random((e, n // 128, k // 128)) + 0.5, jnp.float32),
+                      wtype=WeightType.FP8_E4M3, k=k, group_n=128, group_k=128)
+    x16 = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w16 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
+    for bad in ("3", "-1", "yes", "1 ", "0x1"):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP8_WSP, bad)
+        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_FP8_WSP"):
+            gemm_ops.fp8_wsp_switch()
+        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_FP8_WSP"):
+            jax.eval_shape(lambda a, s, off: gemm_ops.gemm_grouped(a, s, w8, None, off, out_dtype=jnp.bfloat16,
+                                                                   act_group_k=128), a8, s8, off)
+        jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, w16, None, off, out_dtype=jnp.bfloat16), x16, off)
+
+
 def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):
     """$HUMMING_JAX_PREFILL_RS4_WS takes 0 to 4 (or nothing); any other value fails where the
     4-bit mainloop's workspace is sized, and the workspace is the same for every form."""

@@ -387,6 +387,20 @@ def bf16_wsp_switch() -> int | None:
     return value
 
 
+# The same for w8a8-fp8-block128 (cuda_ffi/gemm_prefill_sm90_fp8_wsp.cu) instead of the CUTLASS
+# blockwise kinds: $HUMMING_JAX_PREFILL_FP8_WSP=1 or =2; 0 or unset, never. Same tile list.
+ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
+
+
+def fp8_wsp_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
+    any other value is an error."""
+    value = _env_int(ENV_PREFILL_FP8_WSP, "0, 1 or 2")
+    if value not in (None, 0, 1, 2):
+        raise ValueError(f"{ENV_PREFILL_FP8_WSP} = {os.environ[ENV_PREFILL_FP8_WSP]!r} is not 0, 1 or 2")
+    return value
+
+
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
                         out_dtype: Any = jnp.bfloat16) -> int:
     """Workspace bytes ``gemm_grouped`` adds for the 4-bit mainloop (its tile list and the permuted
@@ -439,6 +453,8 @@ def gemm_grouped(
     ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
     if w.wtype == WeightType.FLOAT and jnp.dtype(a.dtype) == jnp.bfloat16:
         bf16_wsp_switch()  # a malformed switch fails here, not as another kernel there
+    if w.wtype == WeightType.FP8_E4M3 and a_scale is not None:
+        fp8_wsp_switch()
     c, _workspace = _ffi.call(
         "gemm_grouped",
         (

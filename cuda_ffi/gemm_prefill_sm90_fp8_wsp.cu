@@ -4,7 +4,7 @@
 // prefill_wsp_sm90.cuh) with e4m3 codes and block scales:
 //
 //  * A stage is 128 k: one 128-byte swizzle row of codes per weight row and token, and one scale
-//    block, so the stage's MMAs (four k32 steps per 32-token chunk) go into a partial sum that is
+//    block, so the stage's MMAs (four k32 steps per kChunk-token chunk) go into a partial sum that is
 //    then scaled into the accumulators: acc += partial * a_scale[token, kb] * w_scale[rows, kb],
 //    a chunk at a time (two partial buffers: chunk c's MMAs run while chunk c - 1 is scaled).
 //  * Three consumer warpgroups (192 weight rows a CTA; a warpgroup's 64 rows lie in one 128-row
@@ -205,7 +205,8 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
         for (int i = 0; i < kChunk / 2; ++i) fence_reg(part[C & 1][i]);
         wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_e4m3_n32(part[C & 1], frag[j], smem_desc(dlo + C * (kChunk * kBK / 16) + 2 * j), j > 0);
+        for (int j = 0; j < 4; ++j)
+          MmaE4m3<kChunk>::run(part[C & 1], frag[j], smem_desc(dlo + C * (kChunk * kBK / 16) + 2 * j), j > 0);
         wgmma_commit();
         if constexpr (C > 0) {
           wgmma_wait<1>();  // chunk C - 1's MMAs are done

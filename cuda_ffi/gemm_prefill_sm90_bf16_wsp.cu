@@ -13,7 +13,7 @@
 //    map over all R rows. A tile's box reads past its expert's rows into the next expert's (or
 //    zeros past R); those columns of the accumulators are never stored.
 //  * One CTA per SM, persistent over the work items (tile x block of 256 weight rows) by a static
-//    stride: four consumer warpgroups and a producer warpgroup (setmaxnreg 24 / 120 from the
+//    stride: four consumer warpgroups and a producer warpgroup (setmaxnreg 32 / 120 from the
 //    launch's 96), a ring of kStages stages, each warpgroup's epilogue through its own staging
 //    buffer and named barrier.
 //  * kCluster = 2: two CTAs of a cluster take neighbouring blocks of weight rows of the same tile
@@ -28,7 +28,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <type_traits>
 

@@ -80,8 +80,8 @@ struct WspParams {
   CUtensorMap act[kActMaps];      // [R, K] bf16, boxes of 64 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
   const float* bias;              // [E, N] or nullptr
   __nv_bfloat16* c;               // [R, N]
-  const int4* tiles;              // (expert, first row, rows, 0)
-  const int* count;               // tiles in the list
+  int4* tiles;                    // (expert, first row, rows, 0)
+  int* count;                     // tiles in the list
   int N, K;
 };
 
@@ -93,12 +93,8 @@ template <int kCluster>
 __device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_t act0, uint32_t bar_full,
                                         uint32_t bar_empty, int rank) {
   const int KT = (W.K + kBK - 1) / kBK;
-  const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
-  const int items = __ldg(W.count) * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
   uint32_t slot = 0, phase = 0;
-  for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters) {
-    const int4 tile = W.tiles[i / pairs];
-    const int n0 = ((i % pairs) * kCluster + rank) * kRowsCta;
+  wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
     const int width = tile_width(tile.z), half = width / 2;
     const CUtensorMap* map = &W.act[half / 8 - 1];
     const uint32_t tx = static_cast<uint32_t>(kWBytes + width * kBK * 2);  // both halves land here
@@ -119,7 +115,7 @@ __device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_
         phase ^= 1u;
       }
     }
-  }
+  });
 }
 
 // A consumer warpgroup's part of one item (weight rows [64 wg, + 64) of the CTA's) with kCh chunks
@@ -189,26 +185,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, 1);                          // the producer's expect-tx arrival
-      mbar_init(bar_empty + 8 * s, kGroups * 4 * kCluster);    // each consumer warp of each CTA
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  // The peer's barriers are initialized before any multicast or remote arrival reaches them.
-  if constexpr (kCluster == 2)
-    cluster_sync();
-  else
-    __syncthreads();
+  wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, 1);  // full: the producer's expect-tx arrival
   if (tid >= 128 * kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if (tid == 128 * kGroups) produce<kCluster>(W, w0, act0, bar_full, bar_empty, rank);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
     const int KT = (W.K + kBK - 1) / kBK;
-    const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
-    const int items = __ldg(W.count) * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     // The lane's ldmatrix row (row (lane & 7) + 8 ((lane >> 3) & 1) of the warp's 16) and its
     // swizzled offset of k16 step 0 (chunk lane >> 4), opaque to ptxas so that they stay in
@@ -219,16 +202,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
     asm volatile("" : "+r"(w_t), "+r"(x));
     uint32_t slot = 0, phase = 0;
     float acc[kMaxTokens / 2];
-    for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters) {
-      const int4 tile = W.tiles[i / pairs];
-      const int n0 = ((i % pairs) * kCluster + rank) * kRowsCta;
+    wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
       // of its parts the MMAs cover.
       by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
         item<decltype(chunks)::value, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc,
                                                 staging, tid, rank);
       });
-    }
+    });
   }
   // No CTA of a cluster leaves while its peer may still arrive on its barriers.
   if constexpr (kCluster == 2) cluster_sync();
@@ -258,32 +239,11 @@ size_t wsp_workspace_bytes(int64_t R, int64_t E) {
 }
 
 std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
-  if (g.workspace_bytes < 128 + wsp::list_entries(g.R, g.E) * 16) return "workspace too small for the tile list";
-  uint8_t* ws = static_cast<uint8_t*>(g.workspace);
-  int* count = reinterpret_cast<int*>(ws);
-  int4* tiles = reinterpret_cast<int4*>(ws + 128);
   WspParams W{};
-  {
-    const std::string e = tensor_maps(W, g.w, g.E, g.N, g.K, g.a, g.R);
-    if (!e.empty()) return e;
-  }
-  W.bias = g.bias;
-  W.c = static_cast<__nv_bfloat16*>(g.c);
-  W.tiles = tiles;
-  W.count = count;
-  W.N = static_cast<int>(g.N);
-  W.K = static_cast<int>(g.K);
-  {
-    // The list (whole chunks) and the zero rows past the last expert.
-    const std::string e = launch_tile_list(g.offsets, g.E, g.R, g.N, kMaxTokens, kChunk, tiles, count, g.c,
-                                           dev.sm_count, stream);
-    if (!e.empty()) return e;
-  }
-  // The items' bound on the host (the tile count is known on the device only).
-  const int64_t nb = (g.N + kRowsCta - 1) / kRowsCta, pairs = (nb + cluster - 1) / cluster;
-  const std::string e = wsp::launch(gemm16_wsp_kernel<1>, gemm16_wsp_kernel<2>, W, cluster, kThreads, kSmem,
-                                    static_cast<int64_t>(wsp::list_entries(g.R, g.E)) * pairs, dev.device,
-                                    dev.sm_count, stream, "gemm16_wsp_kernel");
+  std::string e = tensor_maps(W, g.w, g.E, g.N, g.K, g.a, g.R);
+  if (e.empty())
+    e = wsp::run(g, W, kRowsCta, gemm16_wsp_kernel<1>, gemm16_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
+                 "gemm16_wsp_kernel");
   if (!e.empty()) return e;
   g_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();

@@ -81,8 +81,8 @@ struct Fp8WspParams {
   const float* w_scale;         // [E, N / 128, K / 128]
   const float* bias;            // [E, N] or nullptr
   __nv_bfloat16* c;             // [R, N]
-  const int4* tiles;            // (expert, first row, rows, 0)
-  const int* count;             // tiles in the list
+  int4* tiles;                  // (expert, first row, rows, 0)
+  int* count;                   // tiles in the list
   int N, K, R;
 };
 
@@ -104,12 +104,8 @@ template <int kCluster>
 __device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint32_t act0, uint32_t sc0,
                                         uint32_t bar_full, uint32_t bar_empty, int rank, int p) {
   const int KT = W.K / kBK, NB = W.N / 128;
-  const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
-  const int items = __ldg(W.count) * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
   uint32_t slot = 0, phase = 0;
-  for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters) {
-    const int4 tile = W.tiles[i / pairs];
-    const int n0 = ((i % pairs) * kCluster + rank) * kRowsCta;
+  wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
     const int width = tile_width(tile.z), half = width / 2;
     const CUtensorMap* map = &W.act[half / 8 - 1];
     const uint32_t tx = static_cast<uint32_t>(kWBytes + width * kBK);  // both halves land here
@@ -157,7 +153,7 @@ __device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint
       stage(kt, std::integral_constant<int, 0>{});
       if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
     }
-  }
+  });
 }
 
 // Chunk c's partial sum into the accumulators: tokens 32 c + 8 i + 2 t + q, weight rows g + 8 h of
@@ -239,26 +235,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full + 8 * s, 1 + 128);                    // the expect-tx arrival + the scale writers
-      mbar_init(bar_empty + 8 * s, kGroups * 4 * kCluster);    // each consumer warp of each CTA
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  // The peer's barriers are initialized before any multicast or remote arrival reaches them.
-  if constexpr (kCluster == 2)
-    cluster_sync();
-  else
-    __syncthreads();
+  // Full: the expect-tx arrival and the 128 scale writers.
+  wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, 1 + 128);
   if (tid >= 128 * kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     produce<kCluster>(W, w0, act0, sc0, bar_full, bar_empty, rank, tid - 128 * kGroups);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
     const int KT = W.K / kBK;
-    const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
-    const int items = __ldg(W.count) * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     // The lane's ldmatrix row and swizzled offset of step 0 (as in the bf16 kernel) and its first
     // token scale's offset in a scale slot (token 2 t), opaque to ptxas so that they stay in registers.
@@ -269,9 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
     asm volatile("" : "+r"(w_t), "+r"(x), "+r"(tok_t));
     uint32_t slot = 0, phase = 0;
     float acc[kMaxTokens / 2];
-    for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters) {
-      const int4 tile = W.tiles[i / pairs];
-      const int n0 = ((i % pairs) * kCluster + rank) * kRowsCta;
+    wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
       // This warpgroup's scales in a slot: those of block (n0 + 64 wg) / 128, the first or second
       // of the CTA's two.
       const uint32_t blk_t = tok_t + kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
@@ -280,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
         consume<kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, acc, lane, rank);
         wsp::store_group<kCh * kChunk>(W, acc, tile, n0 + wg * 64, staging, tid);
       });
-    }
+    });
   }
   // No CTA of a cluster leaves while its peer may still arrive on its barriers.
   if constexpr (kCluster == 2) cluster_sync();
@@ -293,10 +275,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
 
 std::string run_fp8_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
   if (g.K % kBK != 0 || g.N % 128 != 0) return "K and N must be multiples of 128";
-  if (g.workspace_bytes < 128 + wsp::list_entries(g.R, g.E) * 16) return "workspace too small for the tile list";
-  uint8_t* ws = static_cast<uint8_t*>(g.workspace);
-  int* count = reinterpret_cast<int*>(ws);
-  int4* tiles = reinterpret_cast<int4*>(ws + 128);
   Fp8WspParams W{};
   if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
   if (!encode_rows_3d(&W.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.w, g.K, g.N, g.E, kBK, kRowsCta,
@@ -308,23 +286,9 @@ std::string run_fp8_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_
       return "cuTensorMapEncodeTiled failed for the activations";
   W.a_scale = g.a_scale;
   W.w_scale = g.w_scale;
-  W.bias = g.bias;
-  W.c = static_cast<__nv_bfloat16*>(g.c);
-  W.tiles = tiles;
-  W.count = count;
-  W.N = static_cast<int>(g.N);
-  W.K = static_cast<int>(g.K);
   W.R = static_cast<int>(g.R);
-  {
-    // The list (whole chunks) and the zero rows past the last expert.
-    const std::string e = launch_tile_list(g.offsets, g.E, g.R, g.N, kMaxTokens, kChunk, tiles, count, g.c,
-                                           dev.sm_count, stream);
-    if (!e.empty()) return e;
-  }
-  const int64_t nb = (g.N + kRowsCta - 1) / kRowsCta, pairs = (nb + cluster - 1) / cluster;
-  const std::string e = wsp::launch(gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, W, cluster, kThreads, kSmem,
-                                    static_cast<int64_t>(wsp::list_entries(g.R, g.E)) * pairs, dev.device,
-                                    dev.sm_count, stream, "gemm8_wsp_kernel");
+  const std::string e = wsp::run(g, W, kRowsCta, gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, cluster, kThreads, kSmem,
+                                 dev, stream, "gemm8_wsp_kernel");
   if (!e.empty()) return e;
   g_fp8_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();

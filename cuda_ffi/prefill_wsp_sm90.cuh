@@ -16,7 +16,9 @@
 #include <utility>
 
 #include "gemm_decode_sm90.cuh"
+#include "gemm_prefill_sm90.h"
 #include "mbarrier_sm90.cuh"
+#include "tile_list.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace hj {
@@ -48,6 +50,36 @@ __device__ __forceinline__ void by_chunks(int chunks, F&& f) {
     }
   }
   f(std::integral_constant<int, kCh>{});
+}
+
+// The CTA's ring barriers: kStages full barriers of full_arrivals arrivals, kStages empty ones
+// with an arrival from each consumer warp of each CTA of the cluster; then a cluster barrier (a CTA
+// alone: a CTA barrier), so that the peer's barriers are initialized before any multicast or
+// remote arrival reaches them.
+template <int kCluster, int kStages, int kGroups>
+__device__ __forceinline__ void init_ring(uint32_t bar_full, uint32_t bar_empty, int full_arrivals) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, full_arrivals);
+      mbar_init(bar_empty + 8 * s, kGroups * 4 * kCluster);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if constexpr (kCluster == 2)
+    cluster_sync();
+  else
+    __syncthreads();
+}
+
+// f(tile, n0) for each of this CTA's work items, in order: item i (tile-list entry i / pairs, pair
+// of kRowsCta-row weight blocks i % pairs) for i = its cluster's index, + clusters, ..; the CTA
+// takes the pair's block of its rank.
+template <int kCluster, int kRowsCta, typename Params, typename F>
+__device__ __forceinline__ void for_items(const Params& W, int rank, F&& f) {
+  const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
+  const int items = __ldg(W.count) * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
+  for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters)
+    f(W.tiles[i / pairs], ((i % pairs) * kCluster + rank) * kRowsCta);
 }
 
 // f(std::integral_constant<int, 0>), .., f(std::integral_constant<int, n - 1>), in order.
@@ -184,6 +216,29 @@ std::string launch(void (*one)(Params), void (*two)(Params), const Params& param
   cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, params);
   if (err == cudaSuccess) err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string(name) + ": " + cudaGetErrorString(err);
+}
+
+// A launch's common part: the tile list (the workspace's count, then its entries) and the output's
+// fields of W (tiles, count, c, bias, N, K; the kernel's own fields are the caller's), the tile list
+// kernel (whole chunks; zero rows past the last expert), then the kernel on `items` bounded by the
+// list. An error message, or empty.
+template <typename Params>
+std::string run(const GroupedArgs& g, Params& W, int rows_cta, void (*one)(Params), void (*two)(Params), int cluster,
+                int threads, int smem, const DeviceInfo& dev, cudaStream_t stream, const char* name) {
+  if (g.workspace_bytes < 128 + list_entries(g.R, g.E) * 16) return "workspace too small for the tile list";
+  uint8_t* ws = static_cast<uint8_t*>(g.workspace);
+  W.count = reinterpret_cast<int*>(ws);
+  W.tiles = reinterpret_cast<int4*>(ws + 128);
+  W.bias = g.bias;
+  W.c = static_cast<__nv_bfloat16*>(g.c);
+  W.N = static_cast<int>(g.N);
+  W.K = static_cast<int>(g.K);
+  const std::string e =
+      launch_tile_list(g.offsets, g.E, g.R, g.N, kMaxTokens, kChunk, W.tiles, W.count, g.c, dev.sm_count, stream);
+  if (!e.empty()) return e;
+  const int64_t nb = (g.N + rows_cta - 1) / rows_cta, pairs = (nb + cluster - 1) / cluster;
+  return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device,
+                dev.sm_count, stream, name);
 }
 
 }  // namespace wsp

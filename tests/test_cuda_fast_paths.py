@@ -421,78 +421,54 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
         np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
 
 
-_BF16_WSP_LAUNCHES = _ffi.launch_counter("HjPrefillBf16WspLaunches") if GPU is not None else None
-_FP8_WSP_LAUNCHES = _ffi.launch_counter("HjPrefillFp8WspLaunches") if GPU is not None else None
-
-# bf16 on the persistent kernel ($HUMMING_JAX_PREFILL_BF16_WSP): M, top-k, E, N, K, routing, bias
-BF16_WSP_CASES = [
-    (1024, 2, 8, 768, 512, "uniform", True),  # 256 rows per expert: tiles of 128, three weight blocks
-    # ~150 rows per expert: two ~75-row tiles each (96 wide), more work items than SMs; an odd number
+# Our persistent kernels ($HUMMING_JAX_PREFILL_BF16_WSP, $HUMMING_JAX_PREFILL_FP8_WSP): scheme, M,
+# top-k, E, N, K, routing, bias.
+WSP_CASES = [
+    ("bf16", 1024, 2, 8, 768, 512, "uniform", True),  # 256 rows per expert: tiles of 128, 256-row blocks
+    # ~150 rows per expert: two tiles each (96 + 54 rows), more work items than SMs; an odd number
     # of weight blocks (the cluster's second CTA past N on the last pair); K = 5 1/8 stages, so the
     # ring's slots drift across items and the last stage reads zeros past K.
-    (2400, 4, 64, 600, 328, "uniform", False),
-    (1024, 4, 16, 264, 136, "tail", True),  # N, K not multiples of the tiles; rows past off[E]
-    (2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
-    (256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
+    ("bf16", 2400, 4, 64, 600, 328, "uniform", False),
+    ("bf16", 1024, 4, 16, 264, 136, "tail", True),  # N, K not multiples of the tiles; rows past off[E]
+    ("bf16", 2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
+    ("bf16", 256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
+    ("w8a8-fp8-block128", 1024, 2, 8, 768, 512, "uniform", True),  # four 192-row blocks
+    # Three 192-row blocks (the cluster's second CTA past N on the last pair, the last block's
+    # second 128-row scale block past N); K = 3 stages against a 5-stage ring.
+    ("w8a8-fp8-block128", 2400, 4, 64, 512, 384, "uniform", False),
+    ("w8a8-fp8-block128", 1024, 4, 16, 256, 384, "tail", True),
+    ("w8a8-fp8-block128", 2048, 8, 64, 384, 256, "zero_rows", False),
+    ("w8a8-fp8-block128", 256, 8, 128, 512, 256, "uniform", True),
 ]
+_WSP = {  # scheme: the switch, the kernel's launch counter
+    "bf16": (gemm_ops.ENV_PREFILL_BF16_WSP, "HjPrefillBf16WspLaunches"),
+    "w8a8-fp8-block128": (gemm_ops.ENV_PREFILL_FP8_WSP, "HjPrefillFp8WspLaunches"),
+}
 
 
 @requires_prefill
 @pytest.mark.parametrize("cluster", ["1", "2"])
-@pytest.mark.parametrize("m,k,e,n,kdim,kind,bias", BF16_WSP_CASES)
-def test_prefill_bf16_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, m, k, e, n, kdim, kind,
-                                                                bias):
-    """HUMMING_JAX_PREFILL_BF16_WSP=1 / 2: the persistent bf16 kernel (tiles of up to 128 tokens in
-    32-token MMAs; clusters of two sharing the tokens by multicast) runs, equals the CPU and the
-    CUTLASS kind up to accumulation order, and is deterministic."""
-    monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias", WSP_CASES)
+def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, scheme, m, k, e, n, kdim, kind,
+                                                           bias):
+    """HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP = 1 / 2: our persistent bf16 or fp8 block-scaled
+    kernel (tiles of up to 128 tokens in 32-token MMAs; clusters of two sharing the tokens by
+    multicast) runs, equals the CPU and the CUTLASS kind up to accumulation order, and is
+    deterministic."""
+    env, counter_name = _WSP[scheme]
+    counter = _ffi.launch_counter(counter_name)
+    monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
-    p = _gemm_inputs(rng, "bf16", m, k, e, n, kdim, kind, bias=bias)
-    what = f"bf16 {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
-    with _LaunchCount(_BF16_WSP_LAUNCHES) as ours:
-        cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "bf16 prefill")
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias)
+    what = f"{scheme} {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
+    with _LaunchCount(counter) as ours:
+        cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "prefill")
     assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, cluster)
-    with _LaunchCount(_BF16_WSP_LAUNCHES) as ours:
-        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent bf16")
+    monkeypatch.setenv(env, cluster)
+    with _LaunchCount(counter) as ours:
+        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent")
         again = _run_gemm(GPU, p)
-    assert ours.count == 2, "the persistent bf16 kernel did not run"
-    _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
-    np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
-
-
-# w8a8-fp8-block128 on the persistent kernel ($HUMMING_JAX_PREFILL_FP8_WSP): M, top-k, E, N, K, routing, bias
-FP8_WSP_CASES = [
-    (1024, 2, 8, 768, 512, "uniform", True),  # 256 rows per expert: tiles of 128, four 192-row blocks
-    # ~150 rows per expert: two tiles each, more work items than SMs; N = 512: three 192-row blocks
-    # (the cluster's second CTA past N on the last pair, the last block's second 128-row scale
-    # block past N); K = 3 stages, so the 5-stage ring's slots drift across items.
-    (2400, 4, 64, 512, 384, "uniform", False),
-    (1024, 4, 16, 256, 384, "tail", True),  # rows past off[E]
-    (2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
-    (256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
-]
-
-
-@requires_prefill
-@pytest.mark.parametrize("cluster", ["1", "2"])
-@pytest.mark.parametrize("m,k,e,n,kdim,kind,bias", FP8_WSP_CASES)
-def test_prefill_fp8_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, m, k, e, n, kdim, kind,
-                                                               bias):
-    """HUMMING_JAX_PREFILL_FP8_WSP=1 / 2: the persistent fp8 block-scaled kernel runs, equals the CPU
-    and the CUTLASS blockwise kind up to accumulation order, and is deterministic."""
-    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP8_WSP, raising=False)
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
-    p = _gemm_inputs(rng, "w8a8-fp8-block128", m, k, e, n, kdim, kind, bias=bias)
-    what = f"fp8 {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
-    with _LaunchCount(_FP8_WSP_LAUNCHES) as ours:
-        cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "fp8 prefill")
-    assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP8_WSP, cluster)
-    with _LaunchCount(_FP8_WSP_LAUNCHES) as ours:
-        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent fp8")
-        again = _run_gemm(GPU, p)
-    assert ours.count == 2, "the persistent fp8 kernel did not run"
+    assert ours.count == 2, "the persistent kernel did not run"
     _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 

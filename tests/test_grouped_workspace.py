@@ -340,54 +340,43 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
             gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)
 
 
-def test_bf16_wsp_switch_is_checked_when_a_bf16_call_is_traced(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_BF16_WSP takes 0, 1 or 2 (or nothing); any other value fails when a
-    grouped call with bf16 weights and activations is traced, and not for other calls."""
-    monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
-    assert gemm_ops.bf16_wsp_switch() is None
-    for good in ("0", "1", "2", " +2"):
-        monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, good)
-        assert gemm_ops.bf16_wsp_switch() == int(good)
-    e, n, k, rows = 4, 64, 128, 32
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    off = jnp.asarray([0, 8, 16, 24, 32], jnp.int32)
-    w16 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
-    int4 = _int4(rng, e, n, k)
-    for bad in ("3", "-1", "yes", "1 ", "0x1"):
-        monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, bad)
-        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_BF16_WSP"):
-            gemm_ops.bf16_wsp_switch()
-        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_BF16_WSP"):
-            jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, w16, None, off, out_dtype=jnp.bfloat16), x, off)
-        jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, int4, None, off, out_dtype=jnp.bfloat16), x, off)
-
-
-def test_fp8_wsp_switch_is_checked_when_an_fp8_call_is_traced(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_FP8_WSP takes 0, 1 or 2 (or nothing); any other value fails when a
-    grouped call with fp8 codes on both sides is traced, and not for a bf16 one."""
-    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP8_WSP, raising=False)
-    monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
-    assert gemm_ops.fp8_wsp_switch() is None
-    for good in ("0", "1", "2", " +2"):
-        monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP8_WSP, good)
-        assert gemm_ops.fp8_wsp_switch() == int(good)
+def test_persistent_kernel_switches_are_checked_when_their_calls_are_traced(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_BF16_WSP and $HUMMING_JAX_PREFILL_FP8_WSP take 0, 1 or 2 (or nothing);
+    any other value fails when a grouped call of their kernel is traced (bf16 weights and
+    activations; fp8 codes on both sides), and not for the other's call."""
     e, n, k, rows = 4, 128, 256, 32
     off = jnp.asarray([0, 8, 16, 24, 32], jnp.int32)
+    x16 = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w16 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
     a8 = jnp.asarray(rng.standard_normal((rows, k)), jnp.float8_e4m3fn)
     s8 = jnp.asarray(rng.random((rows, k // 128)) + 0.5, jnp.float32)
     w8 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float8_e4m3fn),
                       jnp.asarray(rng.random((e, n // 128, k // 128)) + 0.5, jnp.float32),
                       wtype=WeightType.FP8_E4M3, k=k, group_n=128, group_k=128)
-    x16 = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w16 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
-    for bad in ("3", "-1", "yes", "1 ", "0x1"):
-        monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP8_WSP, bad)
-        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_FP8_WSP"):
-            gemm_ops.fp8_wsp_switch()
-        with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_FP8_WSP"):
-            jax.eval_shape(lambda a, s, off: gemm_ops.gemm_grouped(a, s, w8, None, off, out_dtype=jnp.bfloat16,
-                                                                   act_group_k=128), a8, s8, off)
+
+    def bf16_call():
         jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, w16, None, off, out_dtype=jnp.bfloat16), x16, off)
+
+    def fp8_call():
+        jax.eval_shape(lambda a, s, off: gemm_ops.gemm_grouped(a, s, w8, None, off, out_dtype=jnp.bfloat16,
+                                                               act_group_k=128), a8, s8, off)
+
+    for env, switch, call, other in ((gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.bf16_wsp_switch, bf16_call, fp8_call),
+                                     (gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.fp8_wsp_switch, fp8_call, bf16_call)):
+        for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_FP8_WSP):
+            monkeypatch.delenv(var, raising=False)
+        assert switch() is None
+        for good in ("0", "1", "2", " +2"):
+            monkeypatch.setenv(env, good)
+            assert switch() == int(good)
+            call()
+        for bad in ("3", "-1", "yes", "1 ", "0x1"):
+            monkeypatch.setenv(env, bad)
+            with pytest.raises(ValueError, match=env):
+                switch()
+            with pytest.raises(ValueError, match=env):
+                call()
+            other()
 
 
 def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):

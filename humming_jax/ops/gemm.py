@@ -371,34 +371,32 @@ def rs4_warp_specialized_switch() -> int | None:
     return value
 
 
-# The bf16 grouped GEMM on our own persistent kernel (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu) instead
-# of the CUTLASS kinds, for unquantized bf16 weights: $HUMMING_JAX_PREFILL_BF16_WSP=1 (one CTA per SM)
-# or =2 (clusters of two sharing the tokens), for A/B timing; 0 or unset, never. Its tile list fits
-# in grouped_workspace_bytes. Read when the call is traced, as by the CUDA handler at each call.
+# Our own persistent kernels instead of the CUTLASS kinds, for A/B timing: the bf16 grouped GEMM
+# with unquantized bf16 weights (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu,
+# $HUMMING_JAX_PREFILL_BF16_WSP) and w8a8-fp8-block128 (gemm_prefill_sm90_fp8_wsp.cu,
+# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens; 0 or
+# unset, never. Their tile list fits in grouped_workspace_bytes. Read when the call is traced, as by
+# the CUDA handler at each call.
 ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
+ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
+
+
+def _wsp_switch(name: str) -> int | None:
+    value = _env_int(name, "0, 1 or 2")
+    if value not in (None, 0, 1, 2):
+        raise ValueError(f"{name} = {os.environ[name]!r} is not 0, 1 or 2")
+    return value
 
 
 def bf16_wsp_switch() -> int | None:
     """$HUMMING_JAX_PREFILL_BF16_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
     any other value is an error."""
-    value = _env_int(ENV_PREFILL_BF16_WSP, "0, 1 or 2")
-    if value not in (None, 0, 1, 2):
-        raise ValueError(f"{ENV_PREFILL_BF16_WSP} = {os.environ[ENV_PREFILL_BF16_WSP]!r} is not 0, 1 or 2")
-    return value
-
-
-# The same for w8a8-fp8-block128 (cuda_ffi/gemm_prefill_sm90_fp8_wsp.cu) instead of the CUTLASS
-# blockwise kinds: $HUMMING_JAX_PREFILL_FP8_WSP=1 or =2; 0 or unset, never. Same tile list.
-ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
+    return _wsp_switch(ENV_PREFILL_BF16_WSP)
 
 
 def fp8_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_FP8_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
-    any other value is an error."""
-    value = _env_int(ENV_PREFILL_FP8_WSP, "0, 1 or 2")
-    if value not in (None, 0, 1, 2):
-        raise ValueError(f"{ENV_PREFILL_FP8_WSP} = {os.environ[ENV_PREFILL_FP8_WSP]!r} is not 0, 1 or 2")
-    return value
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0, 1 or 2, as bf16_wsp_switch."""
+    return _wsp_switch(ENV_PREFILL_FP8_WSP)
 
 
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,

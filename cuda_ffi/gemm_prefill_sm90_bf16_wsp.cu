@@ -169,8 +169,11 @@ __device__ __forceinline__ void item(const WspParams& W, int KT, int4 tile, int 
                                      uint32_t act0, uint32_t bar_full, uint32_t bar_empty,
                                      uint32_t& slot, uint32_t& phase, float (&acc)[kMaxTokens / 2], uint8_t* staging,
                                      int tid, int rank) {
+  const int n0w = n0 + (tid >> 7) * 64;
+  float b[2];
+  wsp::load_bias(W, tile.x, n0w, tid, b);
   consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, tid & 31, rank);
-  wsp::store_group<kCh * kChunk>(W, acc, tile, n0 + (tid >> 7) * 64, staging, tid);
+  wsp::store_group<kCh * kChunk>(W, acc, b, tile, n0w, staging, tid);
 }
 
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..

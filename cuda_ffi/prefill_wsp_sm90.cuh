@@ -102,25 +102,30 @@ __device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
   }
 }
 
+// The bias of a consumer thread's two weight rows (n0w + warp * 16 + g + 8 h of its warpgroup's 64
+// from n0w), zero without one: loaded before the item's mainloop, so that the epilogue does not
+// wait for it.
+template <typename Params>
+__device__ __forceinline__ void load_bias(const Params& o, int e, int n0w, int tid, float (&b)[2]) {
+  const int warp = (tid >> 5) & 3, g = (tid & 31) >> 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = n0w + warp * 16 + g + 8 * h;
+    b[h] = o.bias != nullptr && n < o.N ? __ldg(o.bias + static_cast<int64_t>(e) * o.N + n) : 0.0f;
+  }
+}
+
 // A warpgroup's epilogue: acc[4 i + 2 h + q] is weight row n0 + warp * 16 + g + 8 h, token
-// 8 i + 2 t + q of the tile; plus the expert's bias (kBias), rounded to bf16 in pairs of tokens,
+// 8 i + 2 t + q of the tile; plus its bias b[h] (kBias), rounded to bf16 in pairs of tokens,
 // staged kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one
 // staging row) and stored as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens
 // tid / 8 + 16 k. sync() is the warpgroup's named barrier. o: the kernel's parameters, with c [R, N]
-// bf16, bias [E, N] float or nullptr, and N (read where used, from the parameter space).
+// bf16 and N (read where used, from the parameter space).
 template <int kWidth, bool kBias, typename Params, typename Sync>
-__device__ __forceinline__ void store(const Params& o, const float (&acc)[kMaxTokens / 2], int e, int row0, int rows, int n0,
-                                      uint8_t* staging, int tid, Sync sync) {
+__device__ __forceinline__ void store(const Params& o, const float (&acc)[kMaxTokens / 2], const float (&b)[2], int row0,
+                                      int rows, int n0, uint8_t* staging, int tid, Sync sync) {
   const int N = o.N;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2;
-  float b[2] = {0.0f, 0.0f};
-  if constexpr (kBias) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = n0 + warp * 16 + g + 8 * h;
-      if (n < N) b[h] = __ldg(o.bias + static_cast<int64_t>(e) * N + n);
-    }
-  }
+  const int warp = tid >> 5, lane = tid & 31;
   // Matrix m = lane >> 3 of an x4 store: token block m >> 1 of the pair, row half m & 1; the lane
   // addresses its token (lane & 7) of it.
   const int m = lane >> 3;
@@ -158,17 +163,17 @@ __device__ __forceinline__ void store(const Params& o, const float (&acc)[kMaxTo
 }
 
 // The epilogue of consumer warpgroup tid / 128 (its 64 rows from n0w, its staging buffer and named
-// barrier 1 + the group), with or without a bias.
+// barrier 1 + the group), with the bias b of load_bias or without one.
 template <int kWidth, typename Params>
-__device__ __forceinline__ void store_group(const Params& o, const float (&acc)[kMaxTokens / 2], int4 tile, int n0w,
-                                            uint8_t* staging, int tid) {
+__device__ __forceinline__ void store_group(const Params& o, const float (&acc)[kMaxTokens / 2], const float (&b)[2],
+                                            int4 tile, int n0w, uint8_t* staging, int tid) {
   const int wg = tid >> 7, bar_id = 1 + wg;
   auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
   uint8_t* mine = staging + wg * kStagingBytes;
   if (o.bias != nullptr)
-    store<kWidth, true>(o, acc, tile.x, tile.y, tile.z, n0w, mine, tid & 127, sync);
+    store<kWidth, true>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
   else
-    store<kWidth, false>(o, acc, tile.x, tile.y, tile.z, n0w, mine, tid & 127, sync);
+    store<kWidth, false>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
 }
 
 // The launch of a persistent kernel with `items` work items (a bound: the tile count is known on the

@@ -170,6 +170,10 @@ __device__ __forceinline__ void item(const WspParams& W, int KT, int4 tile, int 
                                      uint32_t& slot, uint32_t& phase, float (&acc)[kMaxTokens / 2], uint8_t* staging,
                                      int tid, int rank) {
   const int n0w = n0 + (tid >> 7) * 64;
+  if (__shfl_sync(0xffffffffu, n0w >= W.N, 0)) {  // warp-uniform, as ptxas sees it
+    wsp::skip_item<kCluster, kStages>(KT, bar_full, bar_empty, slot, phase, tid & 31, rank);
+    return;
+  }
   float b[2];
   wsp::load_bias(W, tile.x, n0w, tid, b);
   consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, tid & 31, rank);

@@ -259,6 +259,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
       const uint32_t blk_t = tok_t + kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
       by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
+        if (__shfl_sync(0xffffffffu, n0 + wg * 64 >= W.N, 0)) {  // warp-uniform, as ptxas sees it
+          wsp::skip_item<kCluster, kStages>(KT, bar_full, bar_empty, slot, phase, lane, rank);
+          return;
+        }
         float b[2];
         wsp::load_bias(W, tile.x, n0 + wg * 64, tid, b);
         consume<kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, acc, lane, rank);

@@ -102,6 +102,21 @@ __device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
   }
 }
 
+// An item of a warpgroup whose 64 rows all lie past N (in a CTA's last block of rows, where N does
+// not fill it): its stages are only waited for and released, with no MMA and no epilogue.
+template <int kCluster, int kStages>
+__device__ __forceinline__ void skip_item(int KT, uint32_t bar_full, uint32_t bar_empty, uint32_t& slot,
+                                          uint32_t& phase, int lane, int rank) {
+  for (int kt = 0; kt < KT; ++kt) {
+    mbar_wait(bar_full + 8 * slot, phase);
+    release<kCluster>(bar_empty + 8 * slot, lane, rank);
+    if (++slot == kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+}
+
 // The bias of a consumer thread's two weight rows (n0w + warp * 16 + g + 8 h of its warpgroup's 64
 // from n0w), zero without one: loaded before the item's mainloop, so that the epilogue does not
 // wait for it.

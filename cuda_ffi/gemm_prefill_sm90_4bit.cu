@@ -476,6 +476,48 @@ constexpr int kWsFullArrivals = 1 + 32;
 // The empty barrier's: every consumer thread (no warp vote or election per stage).
 constexpr int kWsEmptyArrivals = 256;
 
+// The scale words of kWords weight rows of an expert for the producers (ws_produce, wsp_produce):
+// rows first + stride q (clamped to N - 1), at stage kt: uint4, the group's bf16 scale; e2m1, the
+// two 32-k groups' e8m0 bytes of the stage (an even index: K / 32 is even). kOffsets: the rows as
+// 32-bit byte offsets from the expert's scales (an expert's scales are far below 2^32 bytes), within
+// the persistent producer's few registers; else a pointer a row.
+template <Codes C, int kWords, bool kOffsets>
+struct ScaleRows {
+  static constexpr int kBytes = C == Codes::kE2M1 ? 1 : 2;
+  const uint8_t* base;  // kOffsets: the expert's scales
+  std::conditional_t<kOffsets, uint32_t, const uint8_t*> row[kWords];
+
+  // scols: scale columns a row (e2m1: K / 32; uint4: P.scale_cols).
+  __device__ __forceinline__ ScaleRows(const Params4& P, int scols, int e, int first, int stride) {
+    const int N = P.N;
+    if constexpr (kOffsets) {
+      base = static_cast<const uint8_t*>(P.scale) + static_cast<int64_t>(e) * N * scols * kBytes;
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) row[q] = static_cast<uint32_t>(min(first + stride * q, N - 1) * scols * kBytes);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) {
+        const int64_t n = min(first + stride * q, N - 1);
+        row[q] = static_cast<const uint8_t*>(P.scale) + (static_cast<int64_t>(e) * N + n) * scols * kBytes;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void load(const Params4& P, int kt, int KT, uint32_t (&dst)[kWords]) const {
+    const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
+    const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) {
+      const uint8_t* a;
+      if constexpr (kOffsets)
+        a = base + (row[q] + off);
+      else
+        a = row[q] + off;
+      dst[q] = __ldg(reinterpret_cast<const unsigned short*>(a));
+    }
+  }
+};
+
 // The producer warp: stages 0 .. KT - 1 of the tile into ring slots kt % kWsStages, each by two TMA
 // boxes (the codes, 32 bytes of each of the 128 S rows; the tile's activation rows, one box of its
 // width) and the rows' scale words.
@@ -486,23 +528,10 @@ __device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, 
   constexpr int kWords = 4 * S;  // scale words per lane: rows lane + 32 q
   const Params4& P = W.P;
   const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int N = P.N, K = P.K, KT = K / kBK;
+  const int KT = P.K / kBK;
   const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * Sh::kCodeBytes;
-  // The scale words of this lane's rows: uint4, the group's bf16 scale; e2m1, the two 32-k groups'
-  // e8m0 bytes of the stage (an even index: K / 32 is even).
-  const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
-  const uint8_t* srow[kWords];
-#pragma unroll
-  for (int q = 0; q < kWords; ++q) {
-    const int64_t n = min(n0 + lane + 32 * q, N - 1);
-    srow[q] = static_cast<const uint8_t*>(P.scale) + (static_cast<int64_t>(e) * N + n) * scols * (C == Codes::kE2M1 ? 1 : 2);
-  }
-  auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) {
-    const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
-    const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
-#pragma unroll
-    for (int q = 0; q < kWords; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(srow[q] + off));
-  };
+  const ScaleRows<C, kWords, false> rows(P, C == Codes::kE2M1 ? P.K / 32 : P.scale_cols, e, n0 + lane, 32);
+  auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
   // The scale words travel kWsScaleAhead stages ahead in a ring of register slots whose index is a
   // compile-time constant (the stage loop unrolled over the ring): a slot is stored, then reloaded
   // for stage kt + kWsScaleAhead. A loop-carried copy (next -> cur) would make each stage wait for
@@ -826,19 +855,8 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   uint32_t slot = 0, phase = 0;
   for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
     const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
-    // The expert's scales, and this thread's rows' byte offsets in them (32 bits: an expert's scales
-    // are far below 2^32 bytes), to stay within the producer's registers.
-    constexpr int kBytes = C == Codes::kE2M1 ? 1 : 2;
-    const uint8_t* sexp = static_cast<const uint8_t*>(P.scale) + static_cast<int64_t>(it.e) * N * scols * kBytes;
-    uint32_t srow[kWords];
-#pragma unroll
-    for (int q = 0; q < kWords; ++q) srow[q] = static_cast<uint32_t>(min(it.n0 + p + 128 * q, N - 1) * scols * kBytes);
-    auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) {
-      const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
-      const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
-#pragma unroll
-      for (int q = 0; q < kWords; ++q) dst[q] = __ldg(reinterpret_cast<const unsigned short*>(sexp + (srow[q] + off)));
-    };
+    const ScaleRows<C, kWords, true> rows(P, scols, it.e, it.n0 + p, 128);  // this thread's rows' scale words
+    auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
     constexpr int kAhead = Sh::kScaleAhead;
     uint32_t ring[kAhead][kWords];
 #pragma unroll

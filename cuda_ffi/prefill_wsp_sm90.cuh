@@ -1,8 +1,10 @@
 // The pieces shared by our persistent swapped-operand grouped GEMMs (gemm_prefill_sm90_bf16_wsp.cu,
 // gemm_prefill_sm90_fp8_wsp.cu): 64 weight rows per consumer warpgroup on wgmma's A operand, a tile
-// of at most kMaxTokens token rows on B, issued as kChunk-token MMAs; the tile widths, the dispatch
-// on a tile's chunk count, a consumer warp's release of a ring slot (in both CTAs of a cluster), the
-// epilogue of a warpgroup's rows, and the launch on clusters of one or two CTAs.
+// of at most kMaxTokens token rows on B, issued as kChunk-token MMAs. Here: the tile widths and the
+// dispatch on a tile's chunk count; the ring's barriers and a consumer warp's release of a slot (in
+// both CTAs of a cluster); the work items' loop; a warpgroup's item past N; the bias and the
+// epilogue of a warpgroup's rows; and the launch (tile list, then the kernel on clusters of one or
+// two CTAs).
 #pragma once
 
 #include <cuda_bf16.h>

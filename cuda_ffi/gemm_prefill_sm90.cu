@@ -52,19 +52,16 @@ int64_t u4rs_max_rows_per_expert() {
   return n > 0 ? n : 0;
 }
 
-// HUMMING_JAX_PREFILL_BF16_WSP: unset or 0, the bf16 calls stay on the CUTLASS kinds; 1 / 2, they
-// take Kind::kBf16Wsp on clusters of one / two CTAs (A/B timing; humming_jax/ops/gemm.py checks the
-// value when the call is traced). A malformed value reads as 0 here.
-int bf16_wsp_cluster() {
-  const int64_t v = env_count("HUMMING_JAX_PREFILL_BF16_WSP", 0, 0);
+// HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: unset or 0, the bf16 /
+// w8a8-fp8-block128 calls stay on the CUTLASS kinds; 1 / 2, they take Kind::kBf16Wsp /
+// Kind::kFp8Block128Wsp on clusters of one / two CTAs (A/B timing; humming_jax/ops/gemm.py checks
+// the value when the call is traced). A malformed value reads as 0 here.
+int wsp_cluster(const char* var) {
+  const int64_t v = env_count(var, 0, 0);
   return v == 1 || v == 2 ? static_cast<int>(v) : 0;
 }
-
-// HUMMING_JAX_PREFILL_FP8_WSP: the same for the w8a8-fp8-block128 calls and Kind::kFp8Block128Wsp.
-int fp8_wsp_cluster() {
-  const int64_t v = env_count("HUMMING_JAX_PREFILL_FP8_WSP", 0, 0);
-  return v == 1 || v == 2 ? static_cast<int>(v) : 0;
-}
+int bf16_wsp_cluster() { return wsp_cluster("HUMMING_JAX_PREFILL_BF16_WSP"); }
+int fp8_wsp_cluster() { return wsp_cluster("HUMMING_JAX_PREFILL_FP8_WSP"); }
 
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).

@@ -103,13 +103,7 @@ __device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_
       const uint32_t full = bar_full + 8 * slot, act_s = act0 + slot * kActBytes;
       mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
       mbar_arrive_expect_tx(full, tx);
-      tma_load_3d(w0 + slot * kWBytes, &W.w, kt * kBK, n0, tile.x, full);
-      if constexpr (kCluster == 2) {
-        tma_load_3d_multicast(act_s + rank * half * (kBK * 2), map, kt * kBK, tile.y + rank * half, 0, full, 0x3);
-      } else {
-        tma_load_3d(act_s, map, kt * kBK, tile.y, 0, full);
-        tma_load_3d(act_s + half * (kBK * 2), map, kt * kBK, tile.y + half, 0, full);
-      }
+      wsp::load_stage<kCluster>(w0 + slot * kWBytes, &W.w, act_s, map, kt * kBK, n0, tile, half, kBK * 2, rank, full);
       if (++slot == kStages) {
         slot = 0;
         phase ^= 1u;
@@ -164,22 +158,6 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
   release<kCluster>(bar_empty + 8 * prev, lane, rank);
 }
 
-template <int kCh, int kCluster>
-__device__ __forceinline__ void item(const WspParams& W, int KT, int4 tile, int n0, uint32_t w_t, uint32_t x,
-                                     uint32_t act0, uint32_t bar_full, uint32_t bar_empty,
-                                     uint32_t& slot, uint32_t& phase, float (&acc)[kMaxTokens / 2], uint8_t* staging,
-                                     int tid, int rank) {
-  const int n0w = n0 + (tid >> 7) * 64;
-  if (__shfl_sync(0xffffffffu, n0w >= W.N, 0)) {  // warp-uniform, as ptxas sees it
-    wsp::skip_item<kCluster, kStages>(KT, bar_full, bar_empty, slot, phase, tid & 31, rank);
-    return;
-  }
-  float b[2];
-  wsp::load_bias(W, tile.x, n0w, tid, b);
-  consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, tid & 31, rank);
-  wsp::store_group<kCh * kChunk>(W, acc, b, tile, n0w, staging, tid);
-}
-
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
 template <int kCluster>
 __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_constant__ WspParams W) {
@@ -213,8 +191,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
       // of its parts the MMAs cover.
       by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
-        item<decltype(chunks)::value, kCluster>(W, KT, tile, n0, w_t, x, act0, bar_full, bar_empty, slot, phase, acc,
-                                                staging, tid, rank);
+        constexpr int kCh = decltype(chunks)::value;
+        wsp::group_item<kCh * kChunk, kCluster, kStages>(
+            W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
+              consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank);
+            });
       });
     });
   }
@@ -223,19 +204,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
 #else
   __trap();
 #endif
-}
-
-// The tensor maps of a launch; an error message, or empty.
-std::string tensor_maps(WspParams& W, const void* w, int64_t E, int64_t N, int64_t K, const void* act, int64_t R) {
-  if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
-  if (!encode_rows_3d(&W.w, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, w, K, N, E, kBK, kRowsCta, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
-    return "cuTensorMapEncodeTiled failed for the weights";
-  for (int i = 0; i < kActMaps; ++i)
-    if (!encode_rows_3d(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, act, K, R, 1, kBK, 8 * (i + 1),
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
-      return "cuTensorMapEncodeTiled failed for the activations";
-  return std::string();
 }
 
 }  // namespace
@@ -247,7 +215,7 @@ size_t wsp_workspace_bytes(int64_t R, int64_t E) {
 
 std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
   WspParams W{};
-  std::string e = tensor_maps(W, g.w, g.E, g.N, g.K, g.a, g.R);
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kRowsCta);
   if (e.empty())
     e = wsp::run(g, W, kRowsCta, gemm16_wsp_kernel<1>, gemm16_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
                  "gemm16_wsp_kernel");

@@ -131,13 +131,7 @@ __device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint
       mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
       if (p == 0) {
         mbar_arrive_expect_tx(full, tx);
-        tma_load_3d(w0 + slot * kWBytes, &W.w, kt * kBK, n0, tile.x, full);
-        if constexpr (kCluster == 2) {
-          tma_load_3d_multicast(act_s + rank * half * kBK, map, kt * kBK, tile.y + rank * half, 0, full, 0x3);
-        } else {
-          tma_load_3d(act_s, map, kt * kBK, tile.y, 0, full);
-          tma_load_3d(act_s + half * kBK, map, kt * kBK, tile.y + half, 0, full);
-        }
+        wsp::load_stage<kCluster>(w0 + slot * kWBytes, &W.w, act_s, map, kt * kBK, n0, tile, half, kBK, rank, full);
       }
       sts32(sc_s + p * 4, ring[J][0] * ring[J][1]);
       sts32(sc_s + kBlockScaleBytes + p * 4, ring[J][0] * ring[J][2]);
@@ -259,14 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
       const uint32_t blk_t = tok_t + kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
       by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
-        if (__shfl_sync(0xffffffffu, n0 + wg * 64 >= W.N, 0)) {  // warp-uniform, as ptxas sees it
-          wsp::skip_item<kCluster, kStages>(KT, bar_full, bar_empty, slot, phase, lane, rank);
-          return;
-        }
-        float b[2];
-        wsp::load_bias(W, tile.x, n0 + wg * 64, tid, b);
-        consume<kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, acc, lane, rank);
-        wsp::store_group<kCh * kChunk>(W, acc, b, tile, n0 + wg * 64, staging, tid);
+        wsp::group_item<kCh * kChunk, kCluster, kStages>(
+            W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
+              consume<kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, a, lane, rank);
+            });
       });
     });
   }
@@ -282,19 +272,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
 std::string run_fp8_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
   if (g.K % kBK != 0 || g.N % 128 != 0) return "K and N must be multiples of 128";
   Fp8WspParams W{};
-  if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
-  if (!encode_rows_3d(&W.w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.w, g.K, g.N, g.E, kBK, kRowsCta,
-                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
-    return "cuTensorMapEncodeTiled failed for the weights";
-  for (int i = 0; i < kActMaps; ++i)
-    if (!encode_rows_3d(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g.a, g.K, g.R, 1, kBK, 8 * (i + 1),
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
-      return "cuTensorMapEncodeTiled failed for the activations";
   W.a_scale = g.a_scale;
   W.w_scale = g.w_scale;
   W.R = static_cast<int>(g.R);
-  const std::string e = wsp::run(g, W, kRowsCta, gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, cluster, kThreads, kSmem,
-                                 dev, stream, "gemm8_wsp_kernel");
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g, kBK, kRowsCta);  // e4m3 codes as bytes
+  if (e.empty())
+    e = wsp::run(g, W, kRowsCta, gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
+                 "gemm8_wsp_kernel");
   if (!e.empty()) return e;
   g_fp8_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();

@@ -20,6 +20,7 @@
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
 #include "mbarrier_sm90.cuh"
+#include "tensor_map.h"
 #include "tile_list.cuh"
 #include "wgmma_sm90.cuh"
 
@@ -119,6 +120,23 @@ __device__ __forceinline__ void skip_item(int KT, uint32_t bar_full, uint32_t ba
   }
 }
 
+// A stage's TMA boxes, issued by the producer's one thread after it armed the full barrier `full`:
+// the CTA's weight rows from n0 (one box of w at k0), and the tile's tokens as two halves of `half`
+// rows of row_bytes (box map): each CTA of a cluster of two loads its rank's half, multicast to
+// both; a CTA alone loads both.
+template <int kCluster>
+__device__ __forceinline__ void load_stage(uint32_t w_s, const CUtensorMap* w, uint32_t act_s, const CUtensorMap* map,
+                                           int k0, int n0, int4 tile, int half, int row_bytes, int rank,
+                                           uint32_t full) {
+  tma_load_3d(w_s, w, k0, n0, tile.x, full);
+  if constexpr (kCluster == 2) {
+    tma_load_3d_multicast(act_s + rank * half * row_bytes, map, k0, tile.y + rank * half, 0, full, 0x3);
+  } else {
+    tma_load_3d(act_s, map, k0, tile.y, 0, full);
+    tma_load_3d(act_s + half * row_bytes, map, k0, tile.y + half, 0, full);
+  }
+}
+
 // The bias of a consumer thread's two weight rows (n0w + warp * 16 + g + 8 h of its warpgroup's 64
 // from n0w), zero without one: loaded before the item's mainloop, so that the epilogue does not
 // wait for it.
@@ -191,6 +209,42 @@ __device__ __forceinline__ void store_group(const Params& o, const float (&acc)[
     store<kWidth, true>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
   else
     store<kWidth, false>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
+}
+
+// A consumer warpgroup's item: past N, its stages only waited for and released (the predicate
+// passed through a shuffle, which ptxas takes as warp-uniform and so keeps the stage loops on the
+// uniform datapath); else the bias loaded first, consume(acc) over the item's KT stages, then the
+// epilogue of its rows from n0w.
+template <int kWidth, int kCluster, int kStages, typename Params, typename Consume>
+__device__ __forceinline__ void group_item(const Params& W, int4 tile, int n0w, int KT, uint32_t bar_full,
+                                           uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
+                                           float (&acc)[kMaxTokens / 2], uint8_t* staging, int tid, int rank,
+                                           Consume&& consume) {
+  if (__shfl_sync(0xffffffffu, n0w >= W.N, 0)) {
+    skip_item<kCluster, kStages>(KT, bar_full, bar_empty, slot, phase, tid & 31, rank);
+    return;
+  }
+  float b[2];
+  load_bias(W, tile.x, n0w, tid, b);
+  consume(acc);
+  store_group<kWidth>(W, acc, b, tile, n0w, staging, tid);
+}
+
+// The tensor maps of a launch, W.w and W.act[i]: the weights [E, N, K] in boxes of bk x rows_cta,
+// the activations [R, K] in boxes of bk x 8 (i + 1) (half a tile of 16 (i + 1) rows), elements of
+// elem_bytes, 128-byte swizzle. An error message, or empty.
+template <typename Params>
+std::string tensor_maps(Params& W, CUtensorMapDataType type, int elem_bytes, const GroupedArgs& g, uint32_t bk,
+                        uint32_t rows_cta) {
+  if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
+  if (!encode_rows_3d(&W.w, type, elem_bytes, g.w, g.K, g.N, g.E, bk, rows_cta, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+    return "cuTensorMapEncodeTiled failed for the weights";
+  for (int i = 0; i < kActMaps; ++i)
+    if (!encode_rows_3d(&W.act[i], type, elem_bytes, g.a, g.K, g.R, 1, bk, 8 * (i + 1), CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
+      return "cuTensorMapEncodeTiled failed for the activations";
+  return std::string();
 }
 
 // The launch of a persistent kernel with `items` work items (a bound: the tile count is known on the

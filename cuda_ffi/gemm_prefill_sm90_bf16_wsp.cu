@@ -12,10 +12,10 @@
 //  * No tensor-map update between experts: the weights are one 3-D map [E, N, K], the tokens one
 //    map over all R rows. A tile's box reads past its expert's rows into the next expert's (or
 //    zeros past R); those columns of the accumulators are never stored.
-//  * One CTA per SM, persistent over the work items (tile x block of 256 weight rows) by a static
-//    stride: four consumer warpgroups and a producer warpgroup (setmaxnreg 32 / 120 from the
-//    launch's 96), a ring of kStages stages, each warpgroup's epilogue through its own staging
-//    buffer and named barrier.
+//  * One CTA per SM, persistent over the work items (tile x block of 192 weight rows) by a static
+//    stride: three consumer warpgroups and a producer warpgroup (setmaxnreg 32 / 160 from the
+//    launch's 128), a ring of kStages stages, each warpgroup's epilogue through its own
+//    staging buffer and named barrier.
 //  * kCluster = 2: two CTAs of a cluster take neighbouring blocks of weight rows of the same tile
 //    and load half of its tokens each, multicast to both, which halves the tokens' L2 traffic (the
 //    CUTLASS kind's 1 x 2 cluster does the same for its A tile). A consumer warp releases a slot
@@ -58,7 +58,7 @@ using wsp::release;
 using wsp::tile_width;
 
 constexpr int kBK = 64;                           // k per stage: one 128-byte swizzle row of bf16
-constexpr int kGroups = 4;                        // consumer warpgroups
+constexpr int kGroups = 3;                        // consumer warpgroups
 constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
 constexpr int kRowsCta = 64 * kGroups;            // weight rows (output columns) per CTA
 constexpr int kWBytes = kRowsCta * kBK * 2;       // a stage's weights (32 KB: one TMA box)
@@ -66,9 +66,12 @@ constexpr int kActBytes = kMaxTokens * kBK * 2;   // a stage's tokens (16 KB)
 constexpr int kStages = 4;
 constexpr int kRingBytes = kStages * (kWBytes + kActBytes);
 constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
-// setmaxnreg from the launch's 96 (640 threads): 32 x 128 + 120 x 512 = 64 K.
-constexpr int kProducerRegs = 32, kConsumerRegs = 120;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 65536, "register budget");
+// setmaxnreg only redistributes the launch's registers: 128 a thread at 512 threads. Four consumer
+// warpgroups (640 threads, or 544 with a producer warp: the four sub-partitions' register files
+// take whole warps in turn) launch at 96, and their 112 a thread serializes the wgmma (C7512).
+constexpr int kProducerRegs = 32, kConsumerRegs = 160;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= wsp::launch_regs(kThreads) * kThreads,
+              "setmaxnreg hands out only the registers the CTA was launched with");
 static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
 
 // gemm16_wsp_kernel launches by this process (HjPrefillBf16WspLaunches): lets the GPU tests prove
@@ -76,7 +79,7 @@ static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
 std::atomic<uint64_t> g_wsp_launches{0};
 
 struct WspParams {
-  CUtensorMap w;                  // [E, N, K] bf16, boxes of 64 k x 256 rows x 1
+  CUtensorMap w;                  // [E, N, K] bf16, boxes of 64 k x 192 rows x 1
   CUtensorMap act[kActMaps];      // [R, K] bf16, boxes of 64 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
   const float* bias;              // [E, N] or nullptr
   __nv_bfloat16* c;               // [R, N]
@@ -86,7 +89,7 @@ struct WspParams {
 };
 
 // The producer (one thread): for each of this cluster's items, its KT stages into the ring; slot
-// and phase run on across items. Each stage: the CTA's 256 weight rows (one box), and half of the
+// and phase run on across items. Each stage: the CTA's 192 weight rows (one box), and half of the
 // tile's tokens (row0 + rank * width / 2), multicast to both CTAs of a cluster of two; a CTA alone
 // loads both halves.
 template <int kCluster>

@@ -78,15 +78,25 @@ __device__ __forceinline__ void init_ring(uint32_t bar_full, uint32_t bar_empty,
     __syncthreads();
 }
 
-// f(tile, n0) for each of this CTA's work items, in order: item i (tile-list entry i / pairs, pair
-// of kRowsCta-row weight blocks i % pairs) for i = its cluster's index, + clusters, ..; the CTA
-// takes the pair's block of its rank.
+// Tiles per group of the work items' order: within a group the items run weight block by weight
+// block, so the CTAs running at once share each block's weights among the group's tiles (a
+// tile-major order has every CTA streaming its own block: an expert's weights read from HBM once
+// per tile).
+constexpr int kTileGroup = 8;
+
+// f(tile, n0) for each of this CTA's work items, in order: item i for i = its cluster's index,
+// + clusters, ..; items run in groups of kTileGroup tile-list entries (fewer in the last), pair
+// of kRowsCta-row weight blocks by pair, each pair over the group's tiles; the CTA takes the
+// pair's block of its rank.
 template <int kCluster, int kRowsCta, typename Params, typename F>
 __device__ __forceinline__ void for_items(const Params& W, int rank, F&& f) {
   const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
-  const int items = __ldg(W.count) * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
-  for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters)
-    f(W.tiles[i / pairs], ((i % pairs) * kCluster + rank) * kRowsCta);
+  const int tiles = __ldg(W.count), items = tiles * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
+  for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters) {
+    const int g = i / (kTileGroup * pairs), j = i - g * kTileGroup * pairs;
+    const int in_group = min(kTileGroup, tiles - g * kTileGroup);
+    f(W.tiles[g * kTileGroup + j % in_group], ((j / in_group) * kCluster + rank) * kRowsCta);
+  }
 }
 
 // f(std::integral_constant<int, 0>), .., f(std::integral_constant<int, n - 1>), in order.
@@ -100,9 +110,12 @@ __device__ __forceinline__ void static_for(F&& f) {
 }
 
 // A slot's release by a consumer warp (its lanes' reads of it done): in this CTA's empty barrier
-// and, in a cluster, in the peer's, whose producer multicasts into this CTA's slot.
+// and, in a cluster, in the peer's, whose producer multicasts into this CTA's slot. The warp
+// barrier orders every lane's plain shared-memory reads of the slot (the fp8 kernel's scales)
+// before lane 0's arrival, which alone releases them to the producer.
 template <int kCluster>
 __device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
+  __syncwarp();
   if (lane == 0) {
     mbar_arrive(bar);
     if constexpr (kCluster == 2) mbar_arrive_cluster(bar, static_cast<uint32_t>(rank ^ 1));

@@ -60,7 +60,7 @@ __device__ __forceinline__ void by_chunks(int chunks, F&& f) {
 }
 
 // The CTA's ring barriers: kStages full barriers of full_arrivals arrivals, kStages empty ones
-// with an arrival from each consumer warp of each CTA of the cluster; then a cluster barrier (a CTA
+// with an arrival from each consumer thread and, in a cluster, each consumer warp of the peer; then a cluster barrier (a CTA
 // alone: a CTA barrier), so that the peer's barriers are initialized before any multicast or
 // remote arrival reaches them.
 template <int kCluster, int kStages, int kGroups>
@@ -68,7 +68,7 @@ __device__ __forceinline__ void init_ring(uint32_t bar_full, uint32_t bar_empty,
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_full + 8 * s, full_arrivals);
-      mbar_init(bar_empty + 8 * s, kGroups * 4 * kCluster);
+      mbar_init(bar_empty + 8 * s, kGroups * 128 + (kCluster - 1) * kGroups * 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -109,16 +109,16 @@ __device__ __forceinline__ void static_for(F&& f) {
   static_for_impl(f, std::make_integer_sequence<int, n>{});
 }
 
-// A slot's release by a consumer warp (its lanes' reads of it done): in this CTA's empty barrier
-// and, in a cluster, in the peer's, whose producer multicasts into this CTA's slot. The warp
-// barrier orders every lane's plain shared-memory reads of the slot (the fp8 kernel's scales)
-// before lane 0's arrival, which alone releases them to the producer.
+// A slot's release by a consumer thread (its reads of it done): every thread arrives on this
+// CTA's empty barrier, which orders its plain shared-memory reads (the fp8 kernel's scales) before
+// the producer's next writes; in a cluster, lane 0 of each warp also arrives on the peer's, whose
+// producer multicasts into this CTA's slot by TMA, once the warp's MMAs have read it.
 template <int kCluster>
 __device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
-  __syncwarp();
-  if (lane == 0) {
-    mbar_arrive(bar);
-    if constexpr (kCluster == 2) mbar_arrive_cluster(bar, static_cast<uint32_t>(rank ^ 1));
+  mbar_arrive(bar);
+  if constexpr (kCluster == 2) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive_cluster(bar, static_cast<uint32_t>(rank ^ 1));
   }
 }
 

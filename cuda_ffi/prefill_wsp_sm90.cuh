@@ -60,9 +60,9 @@ __device__ __forceinline__ void by_chunks(int chunks, F&& f) {
 }
 
 // The CTA's ring barriers: kStages full barriers of full_arrivals arrivals, kStages empty ones
-// with an arrival from each consumer thread and, in a cluster, each consumer warp of the peer; then a cluster barrier (a CTA
-// alone: a CTA barrier), so that the peer's barriers are initialized before any multicast or
-// remote arrival reaches them.
+// with an arrival from each consumer thread and, in a cluster, from each consumer warp of the
+// peer; then a cluster barrier (a CTA alone: a CTA barrier), so that the peer's barriers are
+// initialized before any multicast or remote arrival reaches them.
 template <int kCluster, int kStages, int kGroups>
 __device__ __forceinline__ void init_ring(uint32_t bar_full, uint32_t bar_empty, int full_arrivals) {
   if (threadIdx.x == 0) {

@@ -19,16 +19,14 @@
 //    codes from shared memory into a per-stage partial sum, then acc += part * a_scale * w_scale
 //    (a stage is one 128-k scale block: the host requires scale groups of whole 128 k or spanning
 //    K), the contract's per-block accumulation. The epilogue stores each valid row from registers.
-#include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "gemm_decode_sm90.cuh"
 #include "mbarrier_sm90.cuh"
+#include "tensor_map.h"
 
 namespace hj {
 namespace decode {
@@ -287,22 +285,6 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
 #else
   __trap();
 #endif
-}
-
-// cuTensorMapEncodeTiled from the driver, through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static std::once_flag once;
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-    else
-      cudaGetLastError();
-  });
-  return fn;
 }
 
 }  // namespace

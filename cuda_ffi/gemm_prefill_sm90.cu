@@ -52,6 +52,17 @@ int64_t u4rs_max_rows_per_expert() {
   return n > 0 ? n : 0;
 }
 
+// HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: unset or 0, the bf16 /
+// w8a8-fp8-block128 calls stay on the CUTLASS kinds; 1 / 2, they take Kind::kBf16Wsp /
+// Kind::kFp8Block128Wsp on clusters of one / two CTAs (A/B timing; humming_jax/ops/gemm.py checks
+// the value when the call is traced). A malformed value reads as 0 here.
+int wsp_cluster(const char* var) {
+  const int64_t v = env_count(var, 0, 0);
+  return v == 1 || v == 2 ? static_cast<int>(v) : 0;
+}
+int bf16_wsp_cluster() { return wsp_cluster("HUMMING_JAX_PREFILL_BF16_WSP"); }
+int fp8_wsp_cluster() { return wsp_cluster("HUMMING_JAX_PREFILL_FP8_WSP"); }
+
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
 int tile_rows_from_env() {
@@ -98,6 +109,8 @@ const char* kind_name(Kind k) {
     case Kind::kU4Bf16N256: return "u4-bf16-n256";
     case Kind::kFp4Bf16: return "fp4-bf16";
     case Kind::kU4Bf16Rs: return "u4-bf16-rs";
+    case Kind::kBf16Wsp: return "bf16-wsp";
+    case Kind::kFp8Block128Wsp: return "fp8-block128-wsp";
     default: return "none";
   }
 }
@@ -178,7 +191,12 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   if (w.bias && !aligned_to(w.bias, 16)) return Kind::kNone;
   if (w.type == WeightType::kFloat) {
     if (p.a.quantized() || w.data_type != p.a.type || p.c_type != p.a.type) return Kind::kNone;
-    if (p.a.type == ElemType::kBF16) return Kind::kBf16;
+    if (p.a.type == ElemType::kBF16) {
+      // Our persistent kernel where the switch selects it (the call then fails, naming what is
+      // missing, without the driver's tensor-map encoder or past the workspace bound, some 2 M rows).
+      if (bf16_wsp_cluster() > 0) return Kind::kBf16Wsp;
+      return Kind::kBf16;
+    }
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
   }
@@ -195,7 +213,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   if (w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.c_type == ElemType::kBF16 &&
       w.scale_type == ElemType::kF32 && w.zero == nullptr && w.scale2 == nullptr && w.group_n == 128 &&
       w.group_k == 128 && p.a.group_k == 128 && N % 128 == 0 && K % 128 == 0 && p.a.scale != nullptr)
-    return Kind::kFp8Block128;
+    return fp8_wsp_cluster() > 0 ? Kind::kFp8Block128Wsp : Kind::kFp8Block128;
   return Kind::kNone;
 }
 }  // namespace
@@ -203,7 +221,8 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
 Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
   const Kind wide = choose_wide(p, R, dev, allow_rs4);
   if (wide == Kind::kNone) return wide;
-  if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs) return wide;  // tile widths follow each tile's rows
+  if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs || wide == Kind::kBf16Wsp || wide == Kind::kFp8Block128Wsp)
+    return wide;  // tile widths follow each tile's rows
   const int forced = tile_rows_from_env();
   if (wide == Kind::kU4Bf16 && (forced == 256 || (forced == 0 && R >= kTallRowsPerExpertMixed * p.w.E)))
     return Kind::kU4Bf16N256;
@@ -221,6 +240,8 @@ bool is_rs4(Kind k) { return k == Kind::kFp4Bf16 || k == Kind::kU4Bf16Rs; }
 // What a launch of args.kind needs of the workspace.
 size_t needed_bytes(const GroupedArgs& args, const DeviceInfo& dev) {
   if (is_rs4(args.kind)) return rs4_workspace_bytes(args.R, args.K, args.E);
+  if (args.kind == Kind::kBf16Wsp || args.kind == Kind::kFp8Block128Wsp)
+    return wsp_workspace_bytes(args.R, args.E);
   size_t need = workspace_bytes(args.kind, args.E, dev.sm_count);
   if (wide_kind(args.kind) == Kind::kU4Bf16) need += mixed_scale_bytes(args.E, args.N, args.scale_cols);
   return need;
@@ -268,6 +289,8 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
     case Kind::kFp4Bf16:
     case Kind::kU4Bf16Rs: err = run_rs4(a, dev, stream); break;
+    case Kind::kBf16Wsp: err = run_bf16_wsp(a, dev, stream, bf16_wsp_cluster() == 2 ? 2 : 1); break;
+    case Kind::kFp8Block128Wsp: err = run_fp8_wsp(a, dev, stream, fp8_wsp_cluster() == 2 ? 2 : 1); break;
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())

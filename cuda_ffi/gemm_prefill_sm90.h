@@ -53,6 +53,16 @@ enum class Kind : int {
   // expert. HUMMING_JAX_PREFILL_U4RS=0 gives them back to the CUTLASS mixed-input kinds;
   // HUMMING_JAX_PREFILL_U4RS=<n> moves the upper bound to n rows per expert (for A/B timing).
   kU4Bf16Rs = 11,
+  // bf16 x unquantized bf16 weights -> bf16 on our own persistent kernel (gemm_prefill_sm90_bf16_wsp.cu):
+  // weight rows on wgmma's A operand, tiles of up to 128 tokens costing their rows rounded up to 32.
+  // Only where HUMMING_JAX_PREFILL_BF16_WSP=1 (one CTA per SM) or =2 (clusters of two sharing the
+  // tokens by multicast) selects it, for A/B timing against kBf16 / kBf16M64; 0 or unset: never.
+  kBf16Wsp = 12,
+  // w8a8-fp8-block128 on our own persistent kernel (gemm_prefill_sm90_fp8_wsp.cu): the same tiles,
+  // the block scales applied a 128-k stage and 32-token chunk at a time. Only where
+  // HUMMING_JAX_PREFILL_FP8_WSP=1 or =2 (clusters of two) selects it, for A/B timing against
+  // kFp8Block128 / kFp8Block128M64; 0 or unset: never.
+  kFp8Block128Wsp = 13,
 };
 
 // The kind on 64-row tiles of a 128-row kind, and back (the 256-token mixed kind's 128-row kind is
@@ -191,6 +201,11 @@ std::string run_u4_bf16(const GroupedArgs& args, const DeviceInfo& dev, cudaStre
 std::string run_u4_bf16_n64(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_u4_bf16_n256(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);
 std::string run_rs4(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream);  // kFp4Bf16, kU4Bf16Rs
+// Kinds kBf16Wsp and kFp8Block128Wsp: workspace bytes (their tile list, with the alignment slack),
+// and the launches on clusters of `cluster` (1 or 2) CTAs.
+size_t wsp_workspace_bytes(int64_t R, int64_t E);
+std::string run_bf16_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster);
+std::string run_fp8_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster);
 
 }  // namespace prefill
 }  // namespace hj

@@ -30,6 +30,12 @@
 //    (expert, first row, rows), so a CTA starts with one load, not a search.
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
+//  * At up to 48 rows per expert on average, a warp-specialized form of the same tile (tiles of at
+//    most 96 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
+//    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
+//  * A persistent form (gemm4_wsp_kernel, HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four
+//    consumer warpgroups and a producer warpgroup that gives them registers (setmaxnreg) and
+//    precomputes the e2m1 scale factors. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -41,7 +47,10 @@
 
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
-#include "grouped_rows.cuh"
+#include "mbarrier_sm90.cuh"
+#include "tensor_map.h"
+#include "tile_list.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace hj {
 namespace prefill {
@@ -94,193 +103,6 @@ struct Params4 {
   int N, K;
 };
 
-// ---------------------------------------------------------------------------------------------
-// wgmma primitives (sm_90a): fence, commit, wait and fence_reg from gemm_decode_sm90.cuh.
-// ---------------------------------------------------------------------------------------------
-// Shared-memory matrix descriptor of a K-major tile with 128-byte swizzle (8-row atoms of 128
-// bytes, 1024 bytes apart), from its low word: start address / 16 (shared addresses stay below
-// 2^18, so the 14-bit field never carries into the next) and a leading byte offset of 1.
-__device__ __forceinline__ uint32_t smem_desc_lo(uint32_t addr) { return (addr >> 4) | (1u << 16); }
-__device__ __forceinline__ uint64_t smem_desc(uint32_t lo) {
-  return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
-}
-
-// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory); acc = 0 overwrites D.
-// One specialization per tile width.
-template <int N>
-struct Mma;
-
-template <>
-struct Mma<16> {
-  static __device__ __forceinline__ void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<32> {
-  static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<48> {
-  static __device__ __forceinline__ void run(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
-        "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<64> {
-  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<80> {
-  static __device__ __forceinline__ void run(float (&d)[40], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %45, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
-        "{%40, %41, %42, %43}, %44, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<96> {
-  static __device__ __forceinline__ void run(float (&d)[48], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-        "{%48, %49, %50, %51}, %52, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<112> {
-  static __device__ __forceinline__ void run(float (&d)[56], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %61, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n112k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}, "
-        "{%56, %57, %58, %59}, %60, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-template <>
-struct Mma<128> {
-  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
-  }
-};
-
-// ---------------------------------------------------------------------------------------------
-// Setup: the tile list, and the rows past the last expert as zeros. Block 0 writes the list (a
-// block scan of the experts' tile counts, kSetupThreads experts at a time); every block takes a
-// share of the zero tail. An expert's rows are split into ceil(rows / kMaxTokens) near-equal tiles.
-// ---------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kSetupThreads) setup4_kernel(const int32_t* offsets, int E, int R, int4* tiles,
-                                                                  int* count, __nv_bfloat16* c, int64_t N) {
-  extern __shared__ int32_t s_hi[];  // [E], block 0 only
-  int last;
-  if (blockIdx.x == 0) {
-    last = expert_row_ends(offsets, E, R, s_hi);
-    __shared__ int32_t s_first;
-    __shared__ int32_t s_warp[kSetupThreads / 32];
-    const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
-    if (tid == 0) s_first = 0;
-    __syncthreads();
-    for (int e0 = 0; e0 < E; e0 += kSetupThreads) {
-      const int e = e0 + tid;
-      const int lo = e < E ? (e > 0 ? s_hi[e - 1] : 0) : 0;
-      const int rows = e < E ? s_hi[e] - lo : 0;
-      const int n = (rows + kMaxTokens - 1) / kMaxTokens;
-      int v = n;  // inclusive scan within the warp, then the warps before
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += y;
-      }
-      if (lane == 31) s_warp[tid >> 5] = v;
-      __syncthreads();
-      int before = s_first + v - n;
-      for (int w = 0; w < (tid >> 5); ++w) before += s_warp[w];
-      for (int i = 0; i < n; ++i) {
-        const int a = static_cast<int>(static_cast<int64_t>(rows) * i / n);
-        const int b = static_cast<int>(static_cast<int64_t>(rows) * (i + 1) / n);
-        tiles[before + i] = make_int4(e, lo + a, b - a, 0);
-      }
-      __syncthreads();
-      if (tid == kSetupThreads - 1) s_first = before + n;
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) *count = s_first;
-  } else {
-    last = last_expert_row(offsets, E, R);
-  }
-  zero_rows(c, N * 2, last, R);
-}
-
 // The activations in the mainloop's k order (rs4_k_of), 64-k tiles of 128 bytes: a warp copies
 // kPermuteTiles tiles through shared memory per pass (each lane kPermuteTiles / 4 independent
 // 16-byte loads in flight), then each lane writes its 16-byte chunks of the result.
@@ -324,6 +146,119 @@ __device__ __forceinline__ uint32_t pair(uint32_t word, uint32_t f1) {
   } else {
     const uint32_t m = decode::and_or(decode::shift_left<-4 * P>(word), 0x000f000fu, 0x43004300u);  // 128 + q
     return hmul2<false>(decode::hsub2<false>(m, 0x43084308u), f1);                                   // (q - 8) * s
+  }
+}
+
+// One 64-k tile of a thread's two weight rows (h = 0, 1: code words words[h], scale sc[h]: e2m1, the
+// lane's e8m0 byte; uint4, the bf16 scale's bits) to its wgmma A fragments frag[k16 step][register],
+// times the first scale factor; f2 gets the second factor of each row, and the result says whether
+// any row needs it (apply_second_factor).
+template <Codes C>
+__device__ __forceinline__ bool convert_codes(const uint32_t (&words)[2][2], const uint32_t (&sc)[2], uint32_t (&frag)[4][4],
+                                              uint32_t (&f2)[2]) {
+  bool two = false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t f1;
+    if constexpr (C == Codes::kE2M1) {
+      bool tw;
+      fp4_factors(sc[h], f1, f2[h], tw);
+      two |= tw;
+    } else {
+      f1 = sc[h] * 0x10001u;
+      f2[h] = 0x3f803f80u;  // 1.0
+      two |= sc[h] == 0u;
+    }
+#pragma unroll
+    for (int wd = 0; wd < 2; ++wd) {
+      // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
+      frag[2 * wd + 0][0 + h] = pair<C, 0>(words[h][wd], f1);
+      frag[2 * wd + 0][2 + h] = pair<C, 1>(words[h][wd], f1);
+      frag[2 * wd + 1][0 + h] = pair<C, 2>(words[h][wd], f1);
+      frag[2 * wd + 1][2 + h] = pair<C, 3>(words[h][wd], f1);
+    }
+  }
+  return two;
+}
+
+// e8m0 scales above 128 (weights beyond +-12) practically never occur: one vote per warp and tile,
+// and the second factor only then (1.0 for the rows that do not need it). The branch also keeps
+// ptxas from scheduling conversion instructions past wgmma.fence, which it answers by serializing
+// every wgmma (C7513); uint4 therefore keeps one too, on a zero scale, with the factor 1.0 (no
+// change to any value).
+__device__ __forceinline__ void apply_second_factor(bool two, const uint32_t (&f2)[2], uint32_t (&frag)[4][4]) {
+  if (__any_sync(0xffffffffu, two)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) frag[j][r] = hmul2<false>(frag[j][r], f2[r & 1]);
+  }
+}
+
+// The four MMAs of a 64-k tile: acc (+)= fragments A of afrag x the activation stage at act (its
+// first MMA overwrites acc unless accumulate). Double buffer (kDouble): returns once the previous
+// tile's MMAs are done, the other buffer's registers free again; single: once this tile's are.
+template <int BN, bool kDouble, int A>
+__device__ __forceinline__ void mma_tile(float (&acc)[BN / 2], uint32_t (&afrag)[kDouble ? 2 : 1][4][4], uint32_t act,
+                                         bool accumulate) {
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) fence_reg(acc[i]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);  // converted before the fence, not between MMAs
+  wgmma_fence();
+  const uint32_t dlo = smem_desc_lo(act);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), accumulate || j > 0);
+  wgmma_commit();
+  if constexpr (kDouble)
+    wgmma_wait<1>();
+  else
+    wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
+}
+
+// The epilogue of a tile of S slabs of 64 weight rows per warpgroup, for the kThreadsHere / 128
+// warpgroups that share it (64 S of them rows from n0): acc[sl][4 i + q] (weight row wg * 64 S +
+// sl * 64 + warp * 16 + g + 8 (q >> 1), token 8 i + 2 t + (q & 1)) plus the expert's bias, rounded
+// to bf16 and staged in shared memory, then stored as 16-byte row chunks by the kThreadsHere
+// threads of tid; sync() is the barrier among them (where the staging overwrites the ring, every MMA
+// of the tile must be done before the first one).
+template <int BN, int kThreadsHere, int S, int AW, typename Sync>
+__device__ __forceinline__ void store_tile(const Params4& P, const float (&acc)[S][AW], int e, int row0, int rows,
+                                           int n0, uint8_t* smem, int tid, Sync sync) {
+  static_assert(AW >= BN / 2, "accumulators");
+  constexpr int kRowsCta = kThreadsHere / 128 * 64 * S;
+  constexpr int kStride = kRowsCta * 2 + 16;  // staging row (bytes)
+  const int N = P.N;
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  sync();
+#pragma unroll
+  for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wg * 64 * S + sl * 64 + warp * 16 + g + 8 * h;
+      const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int tok = 8 * i + 2 * t + q;
+          *reinterpret_cast<__nv_bfloat16*>(smem + tok * kStride + r * 2) = __float2bfloat16_rn(acc[sl][4 * i + 2 * h + q] + b);
+        }
+    }
+  sync();
+  constexpr int kChunks = kRowsCta / 8;  // 16-byte chunks of an output row
+  for (int ch = tid; ch < BN * kChunks; ch += kThreadsHere) {
+    const int tok = ch / kChunks, cc = ch % kChunks;
+    if (tok < rows && n0 + cc * 8 < N)
+      *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
+          *reinterpret_cast<const uint4*>(smem + tok * kStride + cc * 16);
   }
 }
 
@@ -424,63 +359,13 @@ __device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int row
     const int s = s_use;
     s_use = s_use == kStages - 1 ? 0 : s_use + 1;
     s_load = s_load == kStages - 1 ? 0 : s_load + 1;
-    bool two = false;
-    uint32_t f2[2];
+    uint32_t words[2][2], f2[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t words[2];
-      decode::lds64(words, code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
-      uint32_t f1;
-      if constexpr (C == Codes::kE2M1) {
-        bool tw;
-        fp4_factors(sc[B][h], f1, f2[h], tw);
-        two |= tw;
-      } else {
-        f1 = sc[B][h] * 0x10001u;
-        f2[h] = 0x3f803f80u;  // 1.0
-        two |= sc[B][h] == 0u;
-      }
-#pragma unroll
-      for (int wd = 0; wd < 2; ++wd) {
-        // Pair p of word wd: nibbles p and p + 4 -> k16 step (4 wd + p) >> 1, slot p & 1.
-        afrag[A][2 * wd + 0][0 + h] = pair<C, 0>(words[wd], f1);
-        afrag[A][2 * wd + 0][2 + h] = pair<C, 1>(words[wd], f1);
-        afrag[A][2 * wd + 1][0 + h] = pair<C, 2>(words[wd], f1);
-        afrag[A][2 * wd + 1][2 + h] = pair<C, 3>(words[wd], f1);
-      }
-    }
+    for (int h = 0; h < 2; ++h) decode::lds64(words[h], code0 + s * kCodeBytes + my_row(h) * (kBK / 2) + t * 8);
+    const bool two = convert_codes<C>(words, sc[B], afrag[A], f2);
     load_scales(kt + 2, sc[B]);
-    // e8m0 scales above 128 (weights beyond +-12) practically never occur: one vote per warp and
-    // tile, and the second factor only then (1.0 for the rows that do not need it). The branch also
-    // keeps ptxas from scheduling conversion instructions past wgmma.fence, which it answers by
-    // serializing every wgmma (C7513); uint4 therefore keeps one too, on a zero scale, with the
-    // factor 1.0 (no change to any value).
-    if (__any_sync(0xffffffffu, two)) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) afrag[A][j][r] = hmul2<false>(afrag[A][j][r], f2[r & 1]);
-    }
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_reg(afrag[A][j][r]);  // converted before the fence, not between MMAs
-    wgmma_fence();
-    const uint32_t dlo = smem_desc_lo(act0 + s * kActBytes);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) Mma<BN>::run(acc, afrag[A][j], smem_desc(dlo + 2 * j), kt > 0 || j > 0);
-    wgmma_commit();
-    // Double buffer: tile kt - 1 done, the other buffer's registers are free again. Single: tile kt.
-    if constexpr (kDouble)
-      wgmma_wait<1>();
-    else
-      wgmma_wait<0>();
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) fence_reg(afrag[kDouble ? (A ^ 1) : 0][j][r]);
+    apply_second_factor(two, f2, afrag[A]);
+    mma_tile<BN, kDouble, A>(acc, afrag, act0 + s * kActBytes, kt > 0);
   };
 
   for (int kt = 0; kt < KT; kt += 2) {
@@ -491,29 +376,8 @@ __device__ __forceinline__ void tile4(const Params4& P, int e, int row0, int row
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) fence_reg(acc[i]);
   cp_async_wait<0>();
-  __syncthreads();  // the ring becomes the output staging
-
-  // acc[4 i + q]: weight row my_row(q >> 1), token 8 i + 2 t + (q & 1).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = my_row(h);
-    const float b = (P.bias != nullptr && n0 + r < N) ? __ldg(P.bias + static_cast<int64_t>(e) * N + n0 + r) : 0.0f;
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i)
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int tok = 8 * i + 2 * t + q;
-        *reinterpret_cast<__nv_bfloat16*>(smem + tok * kOutStride + r * 2) = __float2bfloat16_rn(acc[4 * i + 2 * h + q] + b);
-      }
-  }
-  __syncthreads();
-  constexpr int kChunks = kRows / 8;  // 16-byte chunks of an output row
-  for (int ch = tid; ch < BN * kChunks; ch += kThreads) {
-    const int tok = ch / kChunks, cc = ch % kChunks;
-    if (tok < rows && n0 + cc * 8 < N)
-      *reinterpret_cast<uint4*>(P.c + static_cast<int64_t>(row0 + tok) * N + n0 + cc * 8) =
-          *reinterpret_cast<const uint4*>(smem + tok * kOutStride + cc * 16);
-  }
+  store_tile<BN, kThreads, 1>(P, reinterpret_cast<const float(&)[1][kAcc]>(acc), e, row0, rows, n0, smem, tid,
+                              [] { __syncthreads(); });  // the ring: the staging
 }
 
 // Grid: x = N tiles of kRows weight rows, y = tile-list entries (extra ones return).
@@ -538,6 +402,621 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The warp-specialized form of the same tile, for calls of at most kWsRowsPerExpert rows per expert
+// on average (run_rs4; HUMMING_JAX_PREFILL_RS4_WS=1 / 0 forces it / the mainloop above). Beside
+// humming-kernels the mainloop above does the same conversion and MMA work but issues ~30% more
+// instructions (every thread's copy and scale-load addressing, the ring's slot arithmetic) and
+// waits at a CTA barrier per stage (benchmarks/NOTES.md, v11v). Here a producer warp fills a ring
+// of kWsStages: per stage one TMA box of the 128 rows' codes (32 bytes each, no swizzle: the layout
+// the consumers read above), one box of the tile's activation rows x 64 k (128-byte swizzle, the B
+// operand's layout above; rows past R zero, rows past the tile's never stored) and the 128 rows'
+// 16-bit scale words (loaded kWsScaleAhead stages ahead, stored to shared memory), all completing
+// one mbarrier. The two consumer warpgroups wait on it, convert and issue the MMAs in the same k
+// order and rounding as above (the same bits), one k16 step at a time, and release the stage on a
+// second mbarrier once its MMAs are done. The producer is a ninth warp; two CTAs per SM leave 96
+// registers a thread (18 warps, five on some scheduler; a producer warpgroup giving its registers
+// to the consumers by setmaxnreg would leave ptxas 80), which bounds the tile: 96 tokens with one
+// 64-row slab per warpgroup, 32 with two (WsShape).
+// ---------------------------------------------------------------------------------------------
+constexpr int kWsThreads = 288;  // two consumer warpgroups (warps 0-7) + a producer warp
+constexpr int kWsActTokens = 96;  // activation rows a stage holds
+constexpr int kWsActBytes = kWsActTokens * kBK * 2;  // one stage of activations (12 KB)
+// Four stages: the producer's loop is unrolled over the ring, so its slots and phases are constants.
+constexpr int kWsStages = 4;
+constexpr int kWsScaleAhead = kWsStages;  // stages between a scale word's load and its store
+constexpr int64_t kWsRowsPerExpert = 48;  // run_rs4's rule (average rows per expert)
+
+// The form's shape for S slabs of 64 weight rows per consumer warpgroup (128 S rows per CTA).
+// Two slabs convert twice the weights per stage against the same waits, activation tile and
+// descriptors; their accumulators limit the tile to 48 tokens within 96 registers.
+template <int S>
+struct WsShape {
+  static constexpr int kRowsCta = kRows * S;
+  static constexpr int kCodeBytes = kRowsCta * kBK / 2;  // one stage of codes
+  static constexpr int kScaleBytes = kRowsCta * 2;       // one stage's scale words: 16 bits per row
+  static constexpr int kMaxTokens = S == 1 ? 96 : 32;
+  static constexpr int kSmem = kWsStages * (kWsActBytes + kCodeBytes + kScaleBytes) + 1024;
+  // The epilogue's staging lies in the activation and code rings (contiguous).
+  static_assert(kMaxTokens * (kRowsCta * 2 + 16) <= kWsStages * (kWsActBytes + kCodeBytes), "staging");
+  static_assert(kMaxTokens <= kWsActTokens && kRowsCta <= 256, "one TMA box per stage and operand");
+};
+
+struct Ws4Params {
+  CUtensorMap codes;   // [E][N][K / 2] bytes; box (32, 128 S, 1), no swizzle
+  CUtensorMap act[kMaxTokens / 16];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
+  Params4 P;
+};
+
+__device__ __forceinline__ void sts16(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(a), "h"(static_cast<unsigned short>(v)) : "memory");
+}
+__device__ __forceinline__ uint32_t lds16(uint32_t a) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void sts32(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
+}
+// The OR of four words.
+__device__ __forceinline__ uint32_t lds128_or(uint32_t a) {
+  uint32_t x, y, z, w;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(x), "=r"(y), "=r"(z), "=r"(w) : "r"(a));
+  return x | y | z | w;
+}
+
+// The full barrier's arrivals: the TMA's expect-tx arrive and the producer lanes' scale words.
+constexpr int kWsFullArrivals = 1 + 32;
+// The empty barrier's: every consumer thread (no warp vote or election per stage).
+constexpr int kWsEmptyArrivals = 256;
+
+// The scale words of kWords weight rows of an expert for the producers (ws_produce, wsp_produce):
+// rows first + stride q (clamped to N - 1), at stage kt: uint4, the group's bf16 scale; e2m1, the
+// two 32-k groups' e8m0 bytes of the stage (an even index: K / 32 is even). kOffsets: the rows as
+// 32-bit byte offsets from the expert's scales (an expert's scales are far below 2^32 bytes), within
+// the persistent producer's few registers; else a pointer a row.
+template <Codes C, int kWords, bool kOffsets>
+struct ScaleRows {
+  static constexpr int kBytes = C == Codes::kE2M1 ? 1 : 2;
+  const uint8_t* base;  // kOffsets: the expert's scales
+  std::conditional_t<kOffsets, uint32_t, const uint8_t*> row[kWords];
+
+  // scols: scale columns a row (e2m1: K / 32; uint4: P.scale_cols).
+  __device__ __forceinline__ ScaleRows(const Params4& P, int scols, int e, int first, int stride) {
+    const int N = P.N;
+    if constexpr (kOffsets) {
+      base = static_cast<const uint8_t*>(P.scale) + static_cast<int64_t>(e) * N * scols * kBytes;
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) row[q] = static_cast<uint32_t>(min(first + stride * q, N - 1) * scols * kBytes);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) {
+        const int64_t n = min(first + stride * q, N - 1);
+        row[q] = static_cast<const uint8_t*>(P.scale) + (static_cast<int64_t>(e) * N + n) * scols * kBytes;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void load(const Params4& P, int kt, int KT, uint32_t (&dst)[kWords]) const {
+    const uint32_t k = static_cast<uint32_t>(min(kt, KT - 1));  // past the end: a repeat, never stored
+    const uint32_t off = C == Codes::kE2M1 ? 2u * k : 2u * P.div_tpg.div(k);
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) {
+      const uint8_t* a;
+      if constexpr (kOffsets)
+        a = base + (row[q] + off);
+      else
+        a = row[q] + off;
+      dst[q] = __ldg(reinterpret_cast<const unsigned short*>(a));
+    }
+  }
+};
+
+// The producer warp: stages 0 .. KT - 1 of the tile into ring slots kt % kWsStages, each by two TMA
+// boxes (the codes, 32 bytes of each of the 128 S rows; the tile's activation rows, one box of its
+// width) and the rows' scale words.
+template <Codes C, int S>
+__device__ __forceinline__ void ws_produce(const Ws4Params& W, int e, int row0, int bn, int n0, uint32_t base,
+                                           uint32_t bar_full, uint32_t bar_empty) {
+  using Sh = WsShape<S>;
+  constexpr int kWords = 4 * S;  // scale words per lane: rows lane + 32 q
+  const Params4& P = W.P;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int KT = P.K / kBK;
+  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * Sh::kCodeBytes;
+  const ScaleRows<C, kWords, false> rows(P, C == Codes::kE2M1 ? P.K / 32 : P.scale_cols, e, n0 + lane, 32);
+  auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
+  // The scale words travel kWsScaleAhead stages ahead in a ring of register slots whose index is a
+  // compile-time constant (the stage loop unrolled over the ring): a slot is stored, then reloaded
+  // for stage kt + kWsScaleAhead. A loop-carried copy (next -> cur) would make each stage wait for
+  // the load it had just issued (the register move waits on its scoreboard).
+  uint32_t ring[kWsScaleAhead][kWords];
+#pragma unroll
+  for (int j = 0; j < kWsScaleAhead; ++j) scale_words(j, ring[j]);
+  const CUtensorMap* act_map = &W.act[bn / 16 - 1];
+  const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
+  // Stage kt into slot J (= kt % kWsStages) in phase ph of the ring.
+  auto stage = [&](int kt, uint32_t ph, auto slot) {
+    constexpr int J = decltype(slot)::value;
+    const uint32_t full = bar_full + 8 * J;
+    mbar_wait(bar_empty + 8 * J, ph ^ 1u);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(full, tx);
+      tma_load_3d(code0 + J * Sh::kCodeBytes, &W.codes, kt * (kBK / 2), n0, e, full);
+      tma_load_3d(act0 + J * kWsActBytes, act_map, kt * kBK, row0, 0, full);
+    }
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) sts16(sc0 + J * Sh::kScaleBytes + (lane + 32 * q) * 2, ring[J][q]);
+    mbar_arrive(full);  // release: the scale words above are visible to the waiters
+    scale_words(kt + kWsScaleAhead, ring[J]);
+  };
+  static_assert(kWsStages == 4, "the stage loop below unrolls over four slots");
+  uint32_t ph = 0;
+  for (int kt = 0; kt < KT; kt += kWsStages, ph ^= 1u) {
+    stage(kt, ph, std::integral_constant<int, 0>{});
+    if (kt + 1 < KT) stage(kt + 1, ph, std::integral_constant<int, 1>{});
+    if (kt + 2 < KT) stage(kt + 2, ph, std::integral_constant<int, 2>{});
+    if (kt + 3 < KT) stage(kt + 3, ph, std::integral_constant<int, 3>{});
+  }
+}
+
+// One stage of a consumer warpgroup's S slabs of 64 weight rows: the codes at code_s (this thread's
+// first row's 8 bytes in the stage's slot), the scale words at sc_s (likewise), the activations at
+// act_s. The A fragments are converted and double-buffered per k16 step rather than per stage (two
+// fragments of 4 registers per slab): the conversion of step j + 1 overlaps the MMAs of step j.
+// At step 0 the previous stage's last MMAs are done, and the empty barrier `release` (0: none) gets
+// this thread's arrival. Same k order and rounding as gemm4_kernel: the same bits.
+// The producer's precomputed first factors (kPre, WsFactors): fac_s is the thread's first row's
+// word in the slot (the row's first factors of its two 32-k groups as bf16 halves; uint4: the scale
+// twice), picked for the lane's group by the byte selector sel; flag_s, the slot's four flag words
+// (nonzero where a row of the stage needs the second factor), read by every thread alike.
+struct WsFactors {
+  uint32_t fac_s = 0, flag_s = 0, sel = 0;
+};
+
+template <Codes C>
+__device__ __forceinline__ void second_factor(uint32_t sw, int t, uint32_t& f2) {
+  if constexpr (C == Codes::kE2M1) {
+    uint32_t f1;
+    bool tw;
+    fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1, f2, tw);
+  } else {
+    f2 = 0x3f803f80u;  // 1.0
+  }
+}
+
+template <Codes C, int BN, int S, int AW = BN / 2, bool kPre = false>
+__device__ __forceinline__ void ws_stage(float (&acc)[S][AW], uint32_t (&frag)[2][S][4], uint32_t code_s,
+                                         uint32_t sc_s, uint32_t act_s, int t, bool accumulate, uint32_t release,
+                                         WsFactors pre = WsFactors()) {
+  constexpr int kAcc = BN / 2;
+  uint32_t f1[S][2], f2[S][2];
+  bool any_two;
+  if constexpr (kPre) {
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) f1[sl][h] = __byte_perm(lds32(pre.fac_s + (64 * sl + 8 * h) * 4), 0u, pre.sel);
+    any_two = lds128_or(pre.flag_s) != 0u;  // the same for the whole CTA: no vote
+    if (any_two) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) second_factor<C>(lds16(sc_s + (64 * sl + 8 * h) * 2), t, f2[sl][h]);
+    }
+  } else {
+    bool two = false;
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t sw = lds16(sc_s + (64 * sl + 8 * h) * 2);
+        if constexpr (C == Codes::kE2M1) {
+          bool tw;
+          fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
+          two |= tw;
+        } else {
+          f1[sl][h] = sw * 0x10001u;
+          f2[sl][h] = 0x3f803f80u;  // 1.0
+          two |= sw == 0u;
+        }
+      }
+    // As in apply_second_factor: the second e8m0 factor only on a vote (uint4: on a zero scale,
+    // factor 1.0), and the branch keeps the conversion before wgmma.fence.
+    any_two = __any_sync(0xffffffffu, two);
+  }
+  const uint32_t dlo = smem_desc_lo(act_s);
+  // Each row's 8 code bytes of the stage: word w feeds k16 steps 2 w and 2 w + 1. One slab reads
+  // both words at once (one 8-byte load, conflict-free); two read a word at a time (registers).
+  uint32_t words[S][2][2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int B = j & 1, w = j >> 1;
+    if (S == 1 ? j == 0 : (j & 1) == 0) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t a = code_s + (64 * sl + 8 * h) * (kBK / 2);
+          if constexpr (S == 1)
+            decode::lds64(words[sl][h], a);
+          else
+            words[sl][h][w] = lds32(a + 4 * w);
+        }
+    }
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Pair p of the word: nibbles p and p + 4 -> k16 step 2 w + (p >> 1), slot p & 1.
+        if ((j & 1) == 0) {
+          frag[B][sl][0 + h] = pair<C, 0>(words[sl][h][w], f1[sl][h]);
+          frag[B][sl][2 + h] = pair<C, 1>(words[sl][h][w], f1[sl][h]);
+        } else {
+          frag[B][sl][0 + h] = pair<C, 2>(words[sl][h][w], f1[sl][h]);
+          frag[B][sl][2 + h] = pair<C, 3>(words[sl][h][w], f1[sl][h]);
+        }
+      }
+    if (any_two) {
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) frag[B][sl][r] = hmul2<false>(frag[B][sl][r], f2[sl][r & 1]);
+    }
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(frag[B][sl][r]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+      Mma<BN>::run(reinterpret_cast<float(&)[BN / 2]>(acc[sl]), frag[B][sl], smem_desc(dlo + 2 * j), accumulate || j > 0);
+    wgmma_commit();
+    wgmma_wait<1>();  // step j - 1's MMAs are done: its fragment registers are free
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(frag[B ^ 1][sl][r]);
+    if (j == 0 && release != 0u) mbar_arrive(release);
+  }
+}
+
+// A consumer warpgroup's part of the tile (wg 0 / 1: weight rows [64 S wg, + 64 S), S slabs of 64),
+// on the mainloop of width BN (ws_stage), then (both groups) the epilogue.
+template <Codes C, int BN, int S>
+__device__ __forceinline__ void ws_consume(const Params4& P, int e, int row0, int rows, int n0, uint8_t* smem,
+                                           uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
+  using Sh = WsShape<S>;
+  constexpr int kAcc = BN / 2;
+  const int KT = P.K / kBK;
+  const uint32_t act0 = base, code0 = base + kWsStages * kWsActBytes, sc0 = code0 + kWsStages * Sh::kCodeBytes;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row00 = wg * 64 * S + warp * 16 + g;  // row (sl, h): row00 + 64 sl + 8 h
+  const uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, sc_t = sc0 + row00 * 2;
+
+  float acc[S][kAcc];
+  uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
+  for (int kt = 0; kt < KT; ++kt) {
+    const uint32_t ukt = static_cast<uint32_t>(kt);
+    const uint32_t s = ukt % kWsStages;
+    mbar_wait(bar_full + 8 * s, (ukt / kWsStages) & 1u);
+    ws_stage<C, BN, S>(acc, frag, code_t + s * Sh::kCodeBytes, sc_t + s * Sh::kScaleBytes, act0 + s * kWsActBytes, t,
+                       kt > 0, kt > 0 ? bar_empty + 8 * ((ukt + kWsStages - 1) % kWsStages) : 0u);
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+  // Every stage has landed and been read: the rings become the output staging once both consumer
+  // groups are past their MMAs (named barrier 1: the 256 consumer threads).
+  store_tile<BN, 256, S>(P, acc, e, row0, rows, n0, smem, tid, [] { asm volatile("bar.sync 1, 256;\n" ::: "memory"); });
+}
+
+// Grid: x = N tiles of 128 S weight rows, y = tile-list entries (extra ones return).
+template <Codes C, int S>
+__global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_constant__ Ws4Params W) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  using Sh = WsShape<S>;
+  const Params4& P = W.P;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * kWsStages];  // full[kWsStages], empty[kWsStages]
+  const int tile_idx = static_cast<int>(blockIdx.y);
+  if (tile_idx >= __ldg(P.count)) return;
+  const int4 tile = P.tiles[tile_idx];
+  const int n0 = static_cast<int>(blockIdx.x) * Sh::kRowsCta;
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
+  uint8_t* smem = smem_raw + (base - smem_addr(smem_raw));
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kWsStages]);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWsStages; ++s) {
+      mbar_init(bar_full + 8 * s, kWsFullArrivals);
+      mbar_init(bar_empty + 8 * s, kWsEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int bn = min((tile.z + 15) >> 4, Sh::kMaxTokens / 16) * 16;
+  if (threadIdx.x >= 256) {
+    ws_produce<C, S>(W, tile.x, tile.y, bn, n0, base, bar_full, bar_empty);
+    return;
+  }
+  // The widths up to the form's tile (each instantiated only where it fits the registers).
+  auto consume = [&](auto width) {
+    constexpr int BN = decltype(width)::value;
+    if constexpr (BN <= Sh::kMaxTokens) ws_consume<C, BN, S>(P, tile.x, tile.y, tile.z, n0, smem, base, bar_full, bar_empty);
+  };
+  switch (bn >> 4) {
+    case 1: consume(std::integral_constant<int, 16>{}); break;
+    case 2: consume(std::integral_constant<int, 32>{}); break;
+    case 3: consume(std::integral_constant<int, 48>{}); break;
+    case 4: consume(std::integral_constant<int, 64>{}); break;
+    case 5: consume(std::integral_constant<int, 80>{}); break;
+    default: consume(std::integral_constant<int, 96>{}); break;
+  }
+#else
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The persistent form (HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four consumer
+// warpgroups and a producer warpgroup, over the work items (tile-list entry x block of N) by a
+// static stride. Each consumer warpgroup owns two 64-row slabs and tiles of at most 48 rows
+// (WspTwoSlabs: 512 weight rows per CTA) or one slab and 128 (WspOneSlab: 256). Against the
+// two-CTA forms above:
+//  * a stage's activation box serves 512 or 256 weight rows instead of the one-slab form's 128, so
+//    the activations' L2 -> shared traffic per weight falls 4x or 2x;
+//  * the producer warpgroup gives its registers to the consumers (setmaxnreg: 32 and 112, from the
+//    launch's 96), which lets two slabs take 48-token tiles, or one 128, without serialized wgmmas;
+//  * the ring runs on across items, and each warpgroup stages and stores its own rows in a buffer
+//    of its own, so one item's epilogue overlaps the next item's loads.
+// The same conversion, k order and rounding as the forms above (ws_stage): the same bits.
+// ---------------------------------------------------------------------------------------------
+// The persistent form's shape: S slabs of 64 rows per consumer warpgroup, tiles of at most kMaxTokens
+// rows run kNarrow or kMaxTokens wide (two widths: see gemm4_wsp_kernel).
+template <int S, int kMaxTok, int kNarrowTok>
+struct WspShape {
+  static constexpr int kSlabs = S;
+  static constexpr int kGroups = 4;                        // consumer warpgroups
+  static constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
+  static constexpr int kRowsCta = 64 * kSlabs * kGroups;   // 512 or 256
+  static constexpr int kMaxTokens = kMaxTok, kNarrow = kNarrowTok;
+  static constexpr int kActBytes = kMaxTokens * kBK * 2;   // whole 1024-byte swizzle atoms
+  static constexpr int kCodeBytes = kRowsCta * kBK / 2;    // TMA boxes of 256 rows
+  // A stage's scale slot: the rows' 16-bit scale words; with kPreFactors, then the rows' first
+  // factors (32 bits: WsFactors) and four flag words, one a producer warp (used for e2m1 only,
+  // wsp_pre: a uint4 row's factor is its scale, one multiply).
+  static constexpr bool kPreFactors = true;
+  static constexpr int kRawBytes = kRowsCta * 2;
+  static constexpr int kFacBytes = kPreFactors ? kRowsCta * 4 : 0;
+  static constexpr int kScaleBytes = kRawBytes + kFacBytes + (kPreFactors ? 16 : 0);
+  static constexpr int kStageRowBytes = 64 * kSlabs * 2 + 16;                 // a warpgroup's staging row
+  static constexpr int kStagingBytes = kMaxTokens * kStageRowBytes;          // per warpgroup
+  static constexpr int kStageBytes = kActBytes + kCodeBytes + kScaleBytes;
+  static constexpr int kFree = 227 * 1024 - 1024 - kGroups * kStagingBytes - 256;  // beside the staging
+  static constexpr int kStages = kFree / kStageBytes < 6 ? kFree / kStageBytes : 6;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;
+  // setmaxnreg from the launch's 96: 32 x 128 + 112 x 512 = 96 x 640. At 104 the two-slab
+  // consumer's wgmmas are on the edge of serialization (C7512), which small changes elsewhere
+  // in the kernel tip; the producer fits 32 with a scale ring two stages deep.
+  static constexpr int kProducerRegs = 32, kConsumerRegs = 112;
+  static constexpr int kScaleAhead = 2;  // stages between a scale word's load and its store
+  static constexpr int kScaleWords = kRowsCta / 128;       // per producer thread: rows p + 128 q
+  static constexpr int kFullArrivals = 1 + 128;            // the TMA's expect-tx arrive + the scale writers
+  static constexpr int kEmptyArrivals = 128 * kGroups;
+  static_assert(kStages >= 4, "stages");
+  static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 16 == 0, "slot alignment");
+  static_assert(kMaxTokens <= ::hj::prefill::kMaxTokens && kMaxTokens % 16 == 0 && kNarrow < kMaxTokens, "widths");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 96 * kThreads, "register budget");
+};
+// Whether the producer precomputes the first factors (e2m1: fp4_factors' 12-odd instructions a row
+// and stage move from the 16 consumer warps to the 4 producer warps).
+template <Codes C, typename Sh>
+constexpr bool wsp_pre = Sh::kPreFactors && C == Codes::kE2M1;
+
+using WspTwoSlabs = WspShape<2, 48, 32>;   // HUMMING_JAX_PREFILL_RS4_WS=3
+using WspOneSlab = WspShape<1, 128, 64>;   // HUMMING_JAX_PREFILL_RS4_WS=4
+
+// The work items: item i of `count` tile-list entries x nb blocks of N is block i % nb of entry i / nb.
+struct WspItem {
+  int e, row0, rows, n0;
+};
+__device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int rows_cta) {
+  const int4 tile = P.tiles[i / nb];
+  return WspItem{tile.x, tile.y, tile.z, (i % nb) * rows_cta};
+}
+
+// The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
+// run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
+// tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
+// Sh::kScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
+template <Codes C, typename Sh>
+__device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
+  constexpr int kWords = Sh::kScaleWords;
+  const Params4& P = W.P;
+  const int p = static_cast<int>(threadIdx.x) - 128 * Sh::kGroups;
+  const int N = P.N, K = P.K, KT = K / kBK;
+  const int nb = (N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
+  const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
+  uint32_t slot = 0, phase = 0;
+  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
+    const ScaleRows<C, kWords, true> rows(P, scols, it.e, it.n0 + p, 128);  // this thread's rows' scale words
+    auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
+    constexpr int kAhead = Sh::kScaleAhead;
+    uint32_t ring[kAhead][kWords];
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) scale_words(j, ring[j]);
+    const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
+    const CUtensorMap* act_map = &W.act[bn / 16 - 1];
+    const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
+    auto stage = [&](int kt, auto ring_slot) {
+      constexpr int J = decltype(ring_slot)::value;
+      const uint32_t full = bar_full + 8 * slot;
+      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
+      if (p == 0) {
+        mbar_arrive_expect_tx(full, tx);
+        const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
+#pragma unroll
+        for (int b = 0; b < Sh::kRowsCta / 256; ++b)
+          tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
+        tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
+      }
+      const uint32_t sc_s = sc0 + slot * Sh::kScaleBytes;
+      [[maybe_unused]] uint32_t two = 0;  // e2m1 with precomputed factors only
+#pragma unroll
+      for (int q = 0; q < kWords; ++q) {
+        const uint32_t sw = ring[J][q], row = static_cast<uint32_t>(p + 128 * q);
+        sts16(sc_s + row * 2, sw);
+        if constexpr (wsp_pre<C, Sh>) {
+          // fp4_factors' first factor of each 32-k group's e8m0 byte, as the consumers would
+          // compute it, and whether the second is needed.
+          const uint32_t lo = sw & 0xffu, hi = (sw >> 8) & 0xffu;
+          auto f1 = [](uint32_t e) { return e <= 128u ? (e + 126u) << 7 : (e == 255u ? 0x7fc0u : 0x7f00u); };
+          sts32(sc_s + Sh::kRawBytes + row * 4, f1(lo) | (f1(hi) << 16));
+          two |= static_cast<uint32_t>((lo > 128u && lo != 255u) || (hi > 128u && hi != 255u));
+        }
+      }
+      if constexpr (wsp_pre<C, Sh>) {
+        const uint32_t any = __any_sync(0xffffffffu, two != 0u);
+        if ((p & 31) == 0) sts32(sc_s + Sh::kRawBytes + Sh::kFacBytes + (p >> 5) * 4, any);
+      }
+      mbar_arrive(full);  // release: the scale words above are visible to the waiters
+      scale_words(kt + kAhead, ring[J]);
+      if (++slot == Sh::kStages) {
+        slot = 0;
+        phase ^= 1u;
+      }
+    };
+    static_assert(kAhead == 2, "the stage loop below unrolls over two register slots");
+    for (int kt = 0; kt < KT; kt += 2) {
+      stage(kt, std::integral_constant<int, 0>{});
+      if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
+    }
+  }
+}
+
+// A consumer warpgroup's part of one item (weight rows [64 S wg, + 64 S) of the CTA's, S slabs) on
+// the mainloop of width BN, then its own epilogue through its staging buffer.
+template <Codes C, typename Sh, int BN>
+__device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it, uint8_t* staging, uint32_t base,
+                                            uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
+                                            float (&acc)[Sh::kSlabs][Sh::kMaxTokens / 2]) {
+  constexpr int S = Sh::kSlabs, kAcc = BN / 2;
+  const int KT = static_cast<int>(static_cast<uint32_t>(P.K) / kBK);
+  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row00 = wg * 64 * S + warp * 16 + g;  // row (sl, h): row00 + 64 sl + 8 h
+  // The thread's addresses in slot 0 (codes, scale words, first factors) and its group's byte
+  // selector, opaque to ptxas, which would otherwise recompute them from the thread index at
+  // every stage (some 20 instructions of the stage's ~270).
+  uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, raw_t = sc0 + row00 * 2, fac_t = sc0 + Sh::kRawBytes + row00 * 4;
+  uint32_t sel = 0x1010u + 0x2222u * static_cast<uint32_t>(t >> 1);  // the lane's group's bf16 half, twice
+  asm volatile("" : "+r"(code_t), "+r"(raw_t), "+r"(fac_t), "+r"(sel));
+
+  uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
+  uint32_t prev = 0;       // the slot of the stage before
+  for (int kt = 0; kt < KT; ++kt) {
+    mbar_wait(bar_full + 8 * slot, phase);
+    const uint32_t sc_s = slot * Sh::kScaleBytes;
+    WsFactors pre;
+    pre.fac_s = fac_t + sc_s;
+    pre.flag_s = sc0 + sc_s + Sh::kRawBytes + Sh::kFacBytes;
+    pre.sel = sel;
+    ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>>(acc, frag, code_t + slot * Sh::kCodeBytes, raw_t + sc_s,
+                                                           act0 + slot * Sh::kActBytes, t, kt > 0,
+                                                           kt > 0 ? bar_empty + 8 * prev : 0u, pre);
+    prev = slot;
+    if (++slot == Sh::kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
+  mbar_arrive(bar_empty + 8 * prev);  // the item's last stage, now read
+  // Named barrier 1 + wg: this warpgroup's 128 threads (its staging, its rows).
+  const int bar_id = 1 + wg;
+  store_tile<BN, 128, S>(P, acc, it.e, it.row0, it.rows, it.n0 + wg * 64 * S, staging + wg * Sh::kStagingBytes,
+                         tid & 127, [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); });
+}
+
+// Grid: x = min(SMs, items); each CTA takes items blockIdx.x, + gridDim.x, ...
+template <Codes C, typename Sh>
+__global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid_constant__ Ws4Params W) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  const Params4& P = W.P;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * Sh::kStages];  // full[kStages], empty[kStages]
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
+  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + Sh::kRingBytes;
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[Sh::kStages]);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Sh::kStages; ++s) {
+      mbar_init(bar_full + 8 * s, Sh::kFullArrivals);
+      mbar_init(bar_empty + 8 * s, Sh::kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x >= 128 * Sh::kGroups) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Sh::kProducerRegs));
+    wsp_produce<C, Sh>(W, base, bar_full, bar_empty);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Sh::kConsumerRegs));
+  const int nb = (P.N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  uint32_t slot = 0, phase = 0;
+  float acc[Sh::kSlabs][Sh::kMaxTokens / 2];
+  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
+    // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
+    // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to kNarrow rows take
+    // kNarrow-wide MMAs (the columns past their rows, never stored, read stale activation rows).
+    if (it.rows <= Sh::kNarrow)
+      wsp_consume<C, Sh, Sh::kNarrow>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
+    else
+      wsp_consume<C, Sh, Sh::kMaxTokens>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
+  }
+#else
+  __trap();
+#endif
+}
+
+// The tensor maps of a launch; an error message, or empty.
+std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R,
+                           int rows_cta) {
+  if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
+  if (!encode_rows_3d(&W.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, codes, K / 2, N, E, kBK / 2,
+                      static_cast<uint32_t>(rows_cta), CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+    return "cuTensorMapEncodeTiled failed for the codes";
+  // One map per tile width (16, 32, .., 128 rows): a stage's activations are one box.
+  for (int i = 0; i < kMaxTokens / 16; ++i)
+    if (!encode_rows_3d(&W.act[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, act, K, R, 1, kBK, 16 * (i + 1),
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
+      return "cuTensorMapEncodeTiled failed for the activations";
+  return std::string();
+}
+
 // The shared-memory limit is raised once per device (a per-context attribute).
 template <Codes C>
 std::string prepare_device(int device) {
@@ -557,10 +1036,10 @@ std::string prepare_device(int device) {
 }
 
 // The workspace from its (128-byte aligned) base: the tile count (128 bytes), the tile list (at most
-// R / 64 + E + 1 entries of 16 bytes, a bound with room to spare: each expert adds at most one tile
+// R / 32 + E + 1 entries of 16 bytes, a bound with room to spare: each expert adds at most one tile
 // beyond R / kMaxTokens), then the permuted activations from act_offset, 128-byte aligned.
 size_t act_offset(int64_t R, int64_t E) {
-  const size_t list = static_cast<size_t>((R + 63) / 64 + E + 1) * 16;
+  const size_t list = static_cast<size_t>((R + 31) / 32 + E + 1) * 16;
   return (128 + list + 127) / 128 * 128;
 }
 
@@ -573,7 +1052,26 @@ size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
-  const int64_t max_tiles = (g.R + kMaxTokens - 1) / kMaxTokens + g.E;
+  // The warp-specialized form (one slab per warpgroup) up to kWsRowsPerExpert rows per expert on
+  // average: its tiles hold at most 64 rows, so above that more experts take two passes over their
+  // weights. It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails
+  // where HUMMING_JAX_PREFILL_RS4_WS forces it without one). HUMMING_JAX_PREFILL_RS4_WS=1 / =2:
+  // the form with one / two slabs always (A/B), =3 / =4: the persistent form with two slabs and
+  // tiles of 48 rows / one slab and 128, =0: never; Python rejects
+  // other values.
+  const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
+  const int form = ws_switch >= 1 && ws_switch <= 4 ? static_cast<int>(ws_switch)
+                   : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr ? 1
+                                                                                                           : 0;
+  const bool persistent = form >= 3;  // 3: WspTwoSlabs, 4: WspOneSlab
+  const int ws_slabs = form == 1 || form == 2 ? form : 0;
+  const bool warp_specialized = form > 0;
+  const int max_tokens = form == 1   ? WsShape<1>::kMaxTokens
+                         : form == 2 ? WsShape<2>::kMaxTokens
+                         : form == 3 ? WspTwoSlabs::kMaxTokens
+                         : form == 4 ? WspOneSlab::kMaxTokens
+                                     : kMaxTokens;
+  const int64_t max_tiles = (g.R + max_tokens - 1) / max_tokens + g.E;
   // Workspace (base 128-byte aligned by run_grouped): count, tile list, then the activations.
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
   int* count = reinterpret_cast<int*>(ws);
@@ -586,14 +1084,12 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     const std::string e = codes == Codes::kE2M1 ? prepare_device<Codes::kE2M1>(dev.device) : prepare_device<Codes::kU4>(dev.device);
     if (!e.empty()) return e;
   }
-  // Rows past the last expert: a share per block, as in the other kinds' setup.
-  const int64_t zero_work = g.R * g.N / 8;
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(dev.sm_count * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
-  setup4_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, g.E * sizeof(int32_t), stream>>>(
-      g.offsets, static_cast<int>(g.E), static_cast<int>(g.R), tiles, count, static_cast<__nv_bfloat16*>(g.c), g.N);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("setup4_kernel: ") + cudaGetErrorString(err);
+  {
+    const std::string e = launch_tile_list(g.offsets, g.E, g.R, g.N, max_tokens, /*chunk=*/1, tiles, count, g.c,
+                                           dev.sm_count, stream);
+    if (!e.empty()) return e;
+  }
+  cudaError_t err;
   const int64_t ktiles = g.R * (g.K / kBK);
   if (ktiles > 0) {
     const int64_t pblocks = std::min<int64_t>((ktiles + 8 * kPermuteTiles - 1) / (8 * kPermuteTiles), int64_t{dev.sm_count} * 16);
@@ -618,7 +1114,47 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.count = count;
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
-  const dim3 grid(static_cast<unsigned>((g.N + kRows - 1) / kRows), static_cast<unsigned>(max_tiles));
+  const int rows_cta = form == 3 ? WspTwoSlabs::kRowsCta : form == 4 ? WspOneSlab::kRowsCta
+                       : warp_specialized ? kRows * ws_slabs : kRows;
+  const int64_t n_blocks = (g.N + rows_cta - 1) / rows_cta;
+  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(max_tiles));
+  if (warp_specialized) {
+    Ws4Params W{};
+    W.P = P;
+    // The persistent form's codes boxes hold 256 rows (a box dimension holds at most 256).
+    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, persistent ? 256 : rows_cta);
+    if (!e.empty()) return e;
+    // The kernel's six forms (codes format x shape), each raising its limit once.
+    auto launch = [&](auto kernel, dim3 grid_here, int threads, int smem, unsigned& configured) {
+      if (!decode::raise_smem_limit_once(kernel, smem, true, configured)) return false;
+      kernel<<<grid_here, threads, smem, stream>>>(W);
+      return true;
+    };
+    static unsigned configured[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const bool e2m1 = codes == Codes::kE2M1;
+    bool ok;
+    if (persistent) {
+      // One CTA per SM, or per work item where there are fewer (the tile count is known on the
+      // device only: its bound here).
+      const dim3 pgrid(static_cast<unsigned>(std::min<int64_t>(dev.sm_count, n_blocks * max_tiles)));
+      auto launch_p = [&](auto shape, unsigned* conf) {
+        using Sh = decltype(shape);
+        return e2m1 ? launch(gemm4_wsp_kernel<Codes::kE2M1, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[0])
+                    : launch(gemm4_wsp_kernel<Codes::kU4, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[1]);
+      };
+      ok = form == 3 ? launch_p(WspTwoSlabs{}, configured + 4) : launch_p(WspOneSlab{}, configured + 6);
+    } else if (ws_slabs == 1) {
+      ok = e2m1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[0])
+                : launch(gemm4_ws_kernel<Codes::kU4, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[1]);
+    } else {
+      ok = e2m1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 2>, grid, kWsThreads, WsShape<2>::kSmem, configured[2])
+                : launch(gemm4_ws_kernel<Codes::kU4, 2>, grid, kWsThreads, WsShape<2>::kSmem, configured[3]);
+    }
+    const char* name = persistent ? "gemm4_wsp_kernel: " : "gemm4_ws_kernel: ";
+    if (!ok) return std::string(name) + cudaGetErrorString(cudaGetLastError());
+    err = cudaGetLastError();
+    return err == cudaSuccess ? std::string() : std::string(name) + cudaGetErrorString(err);
+  }
   if (codes == Codes::kE2M1)
     gemm4_kernel<Codes::kE2M1><<<grid, kThreads, kSmem, stream>>>(P);
   else

@@ -1,7 +1,7 @@
 // Row ranges of the experts of a grouped (contiguous) GEMM, derived on the device from
 // expert_first_token_offset exactly as the CPU handler derives them, and the zero rows past the last
 // expert: shared by the setup kernels of the prefill kinds (gemm_prefill_sm90_kernel.cuh,
-// gemm_prefill_sm90_mixed.cuh, gemm_prefill_sm90_fp4.cu).
+// gemm_prefill_sm90_mixed.cuh, tile_list.cuh).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,7 +1,11 @@
 """Runs every humming_jax custom call on the GPU at small shapes, every weight type and layout, for
 compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py [--rs4 | --wsp] [--cpu]
+
+(--rs4: only the 4-bit mainloop's calls; --wsp: only the bf16 and w8a8-fp8-block128 grouped calls,
+for a run with HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP; --cpu: on the CPU backend, to check this
+script.)
 
 Shapes are chosen to reach the kernels' edge paths: N not a multiple of the tile, K not a multiple
 of 8 or 32, scale groups narrower than 8 columns, empty experts, padding ids, zero tokens.
@@ -62,10 +66,63 @@ def custom_weight(wtype, e, n, k, gk, **kw):
     return random_packed_weight(rng, wtype, e, n, k, gk, **kw)
 
 
+def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2)):
+    """One grouped prefill GEMM: routing, permutation, (quantization,) gemm_grouped; ``experts`` are
+    the ids drawn (others receive nothing), 5% of the entries padding."""
+    spec = SCHEMES[scheme]
+    w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
+    bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
+    quant = act_quant_params(spec.act_key)
+    ids = rng.choice(list(experts), (m, topk)).astype(np.int32)
+    ids[rng.random((m, topk)) < 0.05] = -1
+    x = jnp.asarray(rng.standard_normal((m, k)), spec.default_dtype)
+
+    def prefill(x, ids, w, bias):
+        r = routing_ops.routing_grouped(ids, jnp.arange(e, dtype=jnp.int32), e)
+        xp = routing_ops.permute_rows(x, r, topk)
+        a, s = act_ops.quantize(xp, *quant) if quant else (xp, None)
+        return gemm_ops.gemm_grouped(a, s, w, bias if quant is None else None, r.expert_first_token_offset,
+                                     out_dtype=spec.default_dtype, act_group_k=quant[1] if quant else 0)
+
+    run(prefill, x, jnp.asarray(ids), w, bias)
+
+
+def rs4_many_items():
+    """The 4-bit mainloop with more work items than SMs in every form (~140 rows on each of 64
+    experts, N = 512, 8 k tiles): the persistent forms' CTAs take several items, their rings
+    running on across them."""
+    for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
+        prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64))
+
+
+def wsp_many_items():
+    """bf16 and fp8 grouped calls with more work items than SMs (~150 rows on each of 64 experts:
+    two tiles each; N = 600 / 512, the last weight block partial; a partial last k stage for bf16)."""
+    prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64))
+    prefill_grouped("w8a8-fp8-block128", 2400, e=64, n=512, k=384, topk=4, experts=range(64))
+
+
 def main() -> None:
     # --cpu: the same calls on the CPU backend (checks this script where there is no GPU).
     if "--cpu" not in sys.argv:
         assert hj.cuda_available(), hj._ffi.backend_report()
+    if "--rs4" in sys.argv:
+        # Only the 4-bit mainloop's calls (for a sanitizer run of one of its forms,
+        # HUMMING_JAX_PREFILL_RS4_WS).
+        for scheme, m in itertools.product(("w4a16-int4-g128", "w4a16-mxfp4"), (300, 60)):
+            prefill_grouped(scheme, m)
+        rs4_many_items()
+        print(f"sanitize_driver: {calls} jitted calls completed (--rs4)")
+        return
+    if "--wsp" in sys.argv:
+        # Only the calls of the persistent bf16 and fp8 kernels (for a sanitizer run with
+        # HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP = 1 or 2).
+        for scheme, m in itertools.product(("bf16", "w8a8-fp8-block128"), (300, 60)):
+            prefill_grouped(scheme, m)
+        prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8))
+        wsp_many_items()
+        print(f"sanitize_driver: {calls} jitted calls completed (--wsp)")
+        return
     # Routing and permutation, including zero tokens and per-expert padding of block_m = 5; up to
     # 32 entries the single-warp routing kernel, above it the per-expert one.
     for m, k, eg, el, bm in [(0, 2, 4, 4, 16), (1, 8, 16, 16, 16), (16, 2, 9, 5, 5), (37, 3, 9, 5, 5),
@@ -125,24 +182,9 @@ def main() -> None:
     # with an empty expert, uneven expert sizes and rows past off[E].
     for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
                                        (1200, 300, 60)):
-        spec = SCHEMES[scheme]
-        e, n, k, topk = 3, 384, 256, 2
-        w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
-        bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
-        quant = act_quant_params(spec.act_key)
-        ids = rng.choice([0, 2], (m, topk)).astype(np.int32)  # expert 1 receives nothing
-        ids[rng.random((m, topk)) < 0.05] = -1
-        x = jnp.asarray(rng.standard_normal((m, k)), spec.default_dtype)
-
-        def prefill(x, ids, w, bias, e=e, quant=quant, dtype=spec.default_dtype):
-            r = routing_ops.routing_grouped(ids, jnp.arange(e, dtype=jnp.int32), e)
-            xp = routing_ops.permute_rows(x, r, topk)
-            a, s = act_ops.quantize(xp, *quant) if quant else (xp, None)
-            return gemm_ops.gemm_grouped(a, s, w, bias if quant is None else None, r.expert_first_token_offset,
-                                         out_dtype=dtype, act_group_k=quant[1] if quant else 0)
-
-        run(prefill, x, jnp.asarray(ids), w, bias)
-
+        prefill_grouped(scheme, m)
+    rs4_many_items()
+    wsp_many_items()
     # Activation, fused quantization, quantization, finalize.
     x = jnp.asarray(rng.standard_normal((9, 2 * 136)), jnp.bfloat16)
     for name in sorted(ACTIVATIONS):

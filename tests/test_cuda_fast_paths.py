@@ -355,6 +355,10 @@ U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, 
     (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
     (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles
     (1280, 1, 8, 264, 512, "uniform", True, 128),  # 160 rows per expert: two tiles each, N = 264
+    # 150 rows per expert over 64 experts: more work items than SMs in both persistent forms (~256
+    # tiles of at most 48 rows x one 512-row block; 128 of at most 128 x two 256-row blocks), so
+    # their CTAs take several, the ring running on across them; 7 k tiles
+    (2400, 4, 64, 512, 448, "uniform", True, 64),
 ]
 
 
@@ -394,6 +398,79 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
         again = _run_gemm(GPU, p)
     assert other.count == int(prefill), "the switch must give the call back"
     _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
+
+
+@requires_prefill
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
+def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, monkeypatch, scheme, m, k, e, n, kdim,
+                                                                       kind, bias, group_k):
+    """HUMMING_JAX_PREFILL_RS4_WS=1 to 4: the warp-specialized forms of the 4-bit mainloop (load by
+    TMA; one weight slab per warpgroup and tiles of at most 96 tokens, two and 32, or the persistent
+    form's four warpgroups of two slabs and 48 or one and 128) equal the CPU, and the plain mainloop
+    bit for bit (each output's sum runs over k in the same MMA order)."""
+    for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "0")
+    weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
+    what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
+    plain, _ = _prefill_once_matches_cpu(p, what, "4-bit prefill")
+    for form in ("1", "2", "3", "4"):  # one / two weight slabs per warpgroup; persistent, two / one
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, form)
+        got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {form}", "4-bit prefill")
+        np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
+
+
+# Our persistent kernels ($HUMMING_JAX_PREFILL_BF16_WSP, $HUMMING_JAX_PREFILL_FP8_WSP): scheme, M,
+# top-k, E, N, K, routing, bias.
+WSP_CASES = [
+    ("bf16", 1024, 2, 8, 768, 512, "uniform", True),  # 256 rows per expert: tiles of 128, four 192-row blocks
+    # ~150 rows per expert: two tiles each (96 + 54 rows), more work items than SMs; an odd number
+    # of weight blocks, the last partial (the cluster's second CTA past N on the last pair); K = 5 1/8
+    # stages, so the ring's slots drift across items and the last stage reads zeros past K.
+    ("bf16", 2400, 4, 64, 520, 328, "uniform", False),
+    ("bf16", 1024, 4, 16, 264, 136, "tail", True),  # N, K not multiples of the tiles; rows past off[E]
+    ("bf16", 2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
+    ("bf16", 256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
+    ("w8a8-fp8-block128", 1024, 2, 8, 768, 512, "uniform", True),  # four 192-row blocks
+    # Three 192-row blocks (the cluster's second CTA past N on the last pair, the last block's
+    # second 128-row scale block past N); K = 3 stages against a 5-stage ring.
+    ("w8a8-fp8-block128", 2400, 4, 64, 512, 384, "uniform", False),
+    ("w8a8-fp8-block128", 1024, 4, 16, 256, 384, "tail", True),
+    ("w8a8-fp8-block128", 2048, 8, 64, 384, 256, "zero_rows", False),
+    ("w8a8-fp8-block128", 256, 8, 128, 512, 256, "uniform", True),
+]
+_WSP = {  # scheme: the switch, the kernel's launch counter
+    "bf16": (gemm_ops.ENV_PREFILL_BF16_WSP, "HjPrefillBf16WspLaunches"),
+    "w8a8-fp8-block128": (gemm_ops.ENV_PREFILL_FP8_WSP, "HjPrefillFp8WspLaunches"),
+}
+
+
+@requires_prefill
+@pytest.mark.parametrize("cluster", ["1", "2"])
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias", WSP_CASES)
+def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, scheme, m, k, e, n, kdim, kind,
+                                                           bias):
+    """HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP = 1 / 2: our persistent bf16 or fp8 block-scaled
+    kernel (tiles of up to 128 tokens in 32-token MMAs; clusters of two sharing the tokens by
+    multicast) runs, equals the CPU and the CUTLASS kind up to accumulation order, and is
+    deterministic."""
+    env, counter_name = _WSP[scheme]
+    counter = _ffi.launch_counter(counter_name)
+    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias)
+    what = f"{scheme} {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
+    with _LaunchCount(counter) as ours:
+        cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "prefill")
+    assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
+    monkeypatch.setenv(env, cluster)
+    with _LaunchCount(counter) as ours:
+        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent")
+        again = _run_gemm(GPU, p)
+    assert ours.count == 2, "the persistent kernel did not run"
+    _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
+    np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 
 
 # Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of

@@ -244,7 +244,7 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     w = _mxfp4(rng, e, n, k)
     for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.fp4_prefill(rows, w, jnp.bfloat16, False), rows
-        tiles = -(-rows // 64) + e + 1
+        tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
     declined = {
@@ -283,7 +283,7 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
         assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False), rows
         assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
-        tiles = -(-rows // 64) + e + 1
+        tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
     wide = gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e
     assert not gemm_ops.u4rs_prefill(wide, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(wide, w, jnp.bfloat16, False)
@@ -325,7 +325,7 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
     assert gemm_ops.prefill_min_rows_per_expert() == 1
     for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
         assert take(rows, w, jnp.bfloat16, False) and not take(e - 1, w, jnp.bfloat16, False)
-        tiles = -(-rows // 64) + e + 1
+        tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
     assert GROUPED_MIN_ROWS_PER_EXPERT == gemm_ops.MIN_ROWS_PER_EXPERT
     for bad in ("0", "-3"):  # not a count: the built-in threshold
@@ -338,3 +338,64 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)
         with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_MIN_ROWS"):
             gemm_ops.u4rs_prefill(rows, int4, jnp.bfloat16, False)
+
+
+def test_persistent_kernel_switches_are_checked_when_their_calls_are_traced(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_BF16_WSP and $HUMMING_JAX_PREFILL_FP8_WSP take 0, 1 or 2 (or nothing);
+    any other value fails when a grouped call of their kernel is traced (bf16 weights and
+    activations; fp8 codes on both sides), and not for the other's call."""
+    e, n, k, rows = 4, 128, 256, 32
+    off = jnp.asarray([0, 8, 16, 24, 32], jnp.int32)
+    x16 = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w16 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)) / np.sqrt(k), jnp.bfloat16), wtype=WeightType.FLOAT, k=k)
+    a8 = jnp.asarray(rng.standard_normal((rows, k)), jnp.float8_e4m3fn)
+    s8 = jnp.asarray(rng.random((rows, k // 128)) + 0.5, jnp.float32)
+    w8 = PackedWeight(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float8_e4m3fn),
+                      jnp.asarray(rng.random((e, n // 128, k // 128)) + 0.5, jnp.float32),
+                      wtype=WeightType.FP8_E4M3, k=k, group_n=128, group_k=128)
+
+    def bf16_call():
+        jax.eval_shape(lambda x, off: gemm_ops.gemm_grouped(x, None, w16, None, off, out_dtype=jnp.bfloat16), x16, off)
+
+    def fp8_call():
+        jax.eval_shape(lambda a, s, off: gemm_ops.gemm_grouped(a, s, w8, None, off, out_dtype=jnp.bfloat16,
+                                                               act_group_k=128), a8, s8, off)
+
+    for env, switch, call, other in ((gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.bf16_wsp_switch, bf16_call, fp8_call),
+                                     (gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.fp8_wsp_switch, fp8_call, bf16_call)):
+        for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_FP8_WSP):
+            monkeypatch.delenv(var, raising=False)
+        assert switch() is None
+        for good in ("0", "1", "2", " +2"):
+            monkeypatch.setenv(env, good)
+            assert switch() == int(good)
+            call()
+        for bad in ("3", "-1", "yes", "1 ", "0x1"):
+            monkeypatch.setenv(env, bad)
+            with pytest.raises(ValueError, match=env):
+                switch()
+            with pytest.raises(ValueError, match=env):
+                call()
+            other()
+
+
+def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_RS4_WS takes 0 to 4 (or nothing); any other value fails where the
+    4-bit mainloop's workspace is sized, and the workspace is the same for every form."""
+    for var in (gemm_ops.ENV_PREFILL_MIN_ROWS, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
+                gemm_ops.ENV_PREFILL_MIXED, gemm_ops.ENV_PREFILL_RS4_WS):
+        monkeypatch.delenv(var, raising=False)
+    e, n, k = 8, 384, 512
+    rows = 40 * e
+    for w in (_int4(rng, e, n, k), _mxfp4(rng, e, n, k)):
+        unset = gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
+        assert unset > rows * k * 2
+        for good in ("0", "1", "2", "3", "4", " +1"):
+            monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, good)
+            assert gemm_ops.rs4_warp_specialized_switch() == int(good)
+            assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == unset
+        for bad in ("5", "-1", "yes", "1 ", "0x1"):
+            monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, bad)
+            with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_RS4_WS"):
+                gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
+        monkeypatch.delenv(gemm_ops.ENV_PREFILL_RS4_WS)

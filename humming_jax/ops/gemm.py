@@ -322,7 +322,7 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
             and jnp.dtype(act_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and n % 8 == 0 and e > 0
             and prefill_min_rows_per_expert() * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
-            and -(-rows // 64) + e + 1 <= 65535)
+            and -(-rows // 32) + e + 1 <= 65535)
 
 
 # uint4 calls of the mixed-input kinds whose scale groups are whole 64-k tiles (or span K), K a
@@ -349,7 +349,54 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
     e, k = w.num_experts, w.k
     return (_mixed_input_fits(rows, w, act_dtype, act_quantized) and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and (w.group_k % 64 == 0 or w.group_k >= k)
-            and rows < u4rs_max_rows_per_expert() * e and -(-rows // 64) + e + 1 <= 65535)
+            and rows < u4rs_max_rows_per_expert() * e and -(-rows // 32) + e + 1 <= 65535)
+
+
+# The 4-bit mainloop's warp-specialized forms (cuda_ffi/gemm_prefill_sm90_4bit.cu): gemm4_ws_kernel,
+# a producer warp loading by TMA, tiles of at most 96 token rows (32 with two weight slabs per
+# warpgroup); gemm4_wsp_kernel, one persistent CTA per SM with four consumer warpgroups of two slabs
+# and tiles of at most 48 rows, or of one slab and 128. $HUMMING_JAX_PREFILL_RS4_WS=1 (=2: two
+# slabs, =3 / =4: the persistent form with two slabs / one) takes it for every call of the
+# mainloop, =0 never; unset, the CUDA handler's rule (run_rs4). Read when the call is traced, as by
+# the CUDA handler at each call.
+ENV_PREFILL_RS4_WS = "HUMMING_JAX_PREFILL_RS4_WS"
+
+
+def rs4_warp_specialized_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_RS4_WS as 0 to 4 (the form with one or two weight slabs per warpgroup,
+    or the persistent form with two slabs or one), None when unset; any other value is an error."""
+    value = _env_int(ENV_PREFILL_RS4_WS, "0, 1, 2, 3 or 4")
+    if value not in (None, 0, 1, 2, 3, 4):
+        raise ValueError(f"{ENV_PREFILL_RS4_WS} = {os.environ[ENV_PREFILL_RS4_WS]!r} is not 0, 1, 2, 3 or 4")
+    return value
+
+
+# Our own persistent kernels instead of the CUTLASS kinds, for A/B timing: the bf16 grouped GEMM
+# with unquantized bf16 weights (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu,
+# $HUMMING_JAX_PREFILL_BF16_WSP) and w8a8-fp8-block128 (gemm_prefill_sm90_fp8_wsp.cu,
+# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens; 0 or
+# unset, never. Their tile list fits in grouped_workspace_bytes. Read when the call is traced, as by
+# the CUDA handler at each call.
+ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
+ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
+
+
+def _wsp_switch(name: str) -> int | None:
+    value = _env_int(name, "0, 1 or 2")
+    if value not in (None, 0, 1, 2):
+        raise ValueError(f"{name} = {os.environ[name]!r} is not 0, 1 or 2")
+    return value
+
+
+def bf16_wsp_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_BF16_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
+    any other value is an error."""
+    return _wsp_switch(ENV_PREFILL_BF16_WSP)
+
+
+def fp8_wsp_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0, 1 or 2, as bf16_wsp_switch."""
+    return _wsp_switch(ENV_PREFILL_FP8_WSP)
 
 
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
@@ -360,7 +407,9 @@ def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantize
     if not (fp4_prefill(rows, w, act_dtype, act_quantized, out_dtype)
             or u4rs_prefill(rows, w, act_dtype, act_quantized, out_dtype)):
         return 0
-    tile_list = (-(-rows // 64) + w.num_experts + 1) * 16
+    rs4_warp_specialized_switch()  # a malformed switch fails here, not as another kernel there
+    # Tiles of at least 32 rows' capacity (the two-slab form's): at most rows / 32 + E + 1 list entries.
+    tile_list = (-(-rows // 32) + w.num_experts + 1) * 16
     return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2
 
 
@@ -400,6 +449,10 @@ def gemm_grouped(
     The call also returns a uint8 workspace (an XLA value, so its buffer is apart from every
     other live one); it is dropped here."""
     ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    if w.wtype == WeightType.FLOAT and jnp.dtype(a.dtype) == jnp.bfloat16:
+        bf16_wsp_switch()  # a malformed switch fails here, not as another kernel there
+    if w.wtype == WeightType.FP8_E4M3 and a_scale is not None:
+        fp8_wsp_switch()
     c, _workspace = _ffi.call(
         "gemm_grouped",
         (

@@ -1,0 +1,236 @@
+// Kind::kBf16Wsp (gemm_prefill_sm90.h): the bf16 grouped GEMM on our own persistent sm_90a kernel,
+// taken for unquantized bf16 weights where HUMMING_JAX_PREFILL_BF16_WSP selects it (A/B against
+// the CUTLASS ptr-array kind, Kind::kBf16). What it changes against that kind:
+//
+//  * Token granularity. Operands are swapped as in the 4-bit mainloop: 64 weight rows per consumer
+//    warpgroup are wgmma's A operand (ldmatrix from shared memory into registers), a tile of at
+//    most 128 token rows is the B operand in shared memory, issued as kChunk-token MMAs. Each
+//    expert's rows are split into ceil(rows / 128) tiles of whole chunks but the last (tile_list.cuh),
+//    so an expert costs its rows rounded up to one chunk. The CUTLASS kind's 128-row tiles cost whole
+//    128s: at 128 +- 11 rows per expert (gpt-oss-120b, M = 4096, uniform routing) a third of its MMA
+//    work is padding (ours: a tenth), at 256 +- 16 (qwen3-30b-a3b) a fifth (ours: 6%).
+//  * No tensor-map update between experts: the weights are one 3-D map [E, N, K], the tokens one
+//    map over all R rows. A tile's box reads past its expert's rows into the next expert's (or
+//    zeros past R); those columns of the accumulators are never stored.
+//  * One CTA per SM, persistent over the work items (tile x block of 192 weight rows) by a static
+//    stride: three consumer warpgroups and a producer warpgroup (setmaxnreg 32 / 160 from the
+//    launch's 128), a ring of kStages stages, each warpgroup's epilogue through its own
+//    staging buffer and named barrier.
+//  * kCluster = 2: two CTAs of a cluster take neighbouring blocks of weight rows of the same tile
+//    and load half of its tokens each, multicast to both, which halves the tokens' L2 traffic (the
+//    CUTLASS kind's 1 x 2 cluster does the same for its A tile). A consumer warp releases a slot
+//    in both CTAs' empty barriers: a peer's multicast writes into this CTA's slot.
+// K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
+// Rounding: acc (float32 over k) + bias, one rounding to bf16, the contract's order.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "gemm_decode_sm90.cuh"
+#include "gemm_prefill_sm90.h"
+#include "mbarrier_sm90.cuh"
+#include "prefill_wsp_sm90.cuh"
+#include "tensor_map.h"
+#include "tile_list.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace hj {
+namespace prefill {
+namespace {
+
+using decode::fence_reg;
+using decode::smem_addr;
+using decode::wgmma_commit;
+using decode::wgmma_fence;
+using decode::wgmma_wait;
+
+using wsp::by_chunks;
+using wsp::kActMaps;
+using wsp::kChunk;
+using wsp::kMaxTokens;
+using wsp::kStagingBytes;
+using wsp::release;
+using wsp::tile_width;
+
+constexpr int kBK = 64;                           // k per stage: one 128-byte swizzle row of bf16
+constexpr int kGroups = 3;                        // consumer warpgroups
+constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
+constexpr int kRowsCta = 64 * kGroups;            // weight rows (output columns) per CTA
+constexpr int kWBytes = kRowsCta * kBK * 2;       // a stage's weights (24 KB: one TMA box)
+constexpr int kActBytes = kMaxTokens * kBK * 2;   // a stage's tokens (16 KB)
+constexpr int kStages = 4;
+constexpr int kRingBytes = kStages * (kWBytes + kActBytes);
+constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
+// setmaxnreg only redistributes the launch's registers: 128 a thread at 512 threads. Four consumer
+// warpgroups (640 threads, or 544 with a producer warp: the four sub-partitions' register files
+// take whole warps in turn) launch at 96, and their 112 a thread serializes the wgmma (C7512).
+constexpr int kProducerRegs = 32, kConsumerRegs = 160;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= wsp::launch_regs(kThreads) * kThreads,
+              "setmaxnreg hands out only the registers the CTA was launched with");
+static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
+
+// gemm16_wsp_kernel launches by this process (HjPrefillBf16WspLaunches): lets the GPU tests prove
+// that a call took this kernel rather than the CUTLASS kind.
+std::atomic<uint64_t> g_wsp_launches{0};
+
+struct WspParams {
+  CUtensorMap w;                  // [E, N, K] bf16, boxes of 64 k x 192 rows x 1
+  CUtensorMap act[kActMaps];      // [R, K] bf16, boxes of 64 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
+  const float* bias;              // [E, N] or nullptr
+  __nv_bfloat16* c;               // [R, N]
+  int4* tiles;                    // (expert, first row, rows, 0)
+  int* count;                     // tiles in the list
+  int N, K;
+};
+
+// The producer (one thread): for each of this cluster's items, its KT stages into the ring; slot
+// and phase run on across items. Each stage: the CTA's 192 weight rows (one box), and half of the
+// tile's tokens (row0 + rank * width / 2), multicast to both CTAs of a cluster of two; a CTA alone
+// loads both halves.
+template <int kCluster>
+__device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_t act0, uint32_t bar_full,
+                                        uint32_t bar_empty, int rank) {
+  const int KT = (W.K + kBK - 1) / kBK;
+  uint32_t slot = 0, phase = 0;
+  wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
+    const int width = tile_width(tile.z), half = width / 2;
+    const CUtensorMap* map = &W.act[half / 8 - 1];
+    const uint32_t tx = static_cast<uint32_t>(kWBytes + width * kBK * 2);  // both halves land here
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint32_t full = bar_full + 8 * slot, act_s = act0 + slot * kActBytes;
+      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
+      mbar_arrive_expect_tx(full, tx);
+      wsp::load_stage<kCluster>(w0 + slot * kWBytes, &W.w, act_s, map, kt * kBK, n0, tile, half, kBK * 2, rank, full);
+      if (++slot == kStages) {
+        slot = 0;
+        phase ^= 1u;
+      }
+    }
+  });
+}
+
+// A consumer warpgroup's part of one item (weight rows [64 wg, + 64) of the CTA's) with kCh chunks
+// of kChunk tokens: per stage and k16 step, the warp's 16 x 16 weight fragment by ldmatrix (double
+// buffered across steps: step j + 1's load overlaps step j's MMAs), then the kCh MMAs.
+template <int kCh, int kCluster>
+__device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0,
+                                        uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
+                                        float (&acc)[kMaxTokens / 2], int lane, int rank) {
+  uint32_t frag[2][4];
+  uint32_t prev = 0;
+  for (int kt = 0; kt < KT; ++kt) {
+    mbar_wait(bar_full + 8 * slot, phase);
+    const uint32_t w_s = w_t + slot * kWBytes;
+    const uint32_t dlo = smem_desc_lo(act0 + slot * kActBytes);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int B = j & 1;
+      // Step j's 16 k are 16-byte chunks 2 j and 2 j + 1 of the row, chunk ch at (ch ^ row % 8) in
+      // the 128-byte swizzle: the lane's chunk 2 j + (lane >> 4) is at x ^ 32 j.
+      ldmatrix_x4(frag[B], w_s + (x ^ (32u * j)));
+#pragma unroll
+      for (int i = 0; i < kCh * kChunk / 2; ++i) fence_reg(acc[i]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(frag[B][r]);
+      wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < kCh; ++c)
+        Mma<kChunk>::run(reinterpret_cast<float(&)[kChunk / 2]>(acc[c * kChunk / 2]), frag[B],
+                         smem_desc(dlo + c * (kChunk * kBK * 2 / 16) + 2 * j), kt > 0 || j > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // step j - 1's MMAs are done: its fragment and, at j = 0, the previous slot are free
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_reg(frag[B ^ 1][r]);
+      if (j == 0 && kt > 0) release<kCluster>(bar_empty + 8 * prev, lane, rank);
+    }
+    prev = slot;
+    if (++slot == kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kCh * kChunk / 2; ++i) fence_reg(acc[i]);
+  release<kCluster>(bar_empty + 8 * prev, lane, rank);
+}
+
+// Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
+template <int kCluster>
+__global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_constant__ WspParams W) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
+  const uint32_t w0 = base, act0 = base + kStages * kWBytes;
+  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + kRingBytes;
+  const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
+  wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, 1);  // full: the producer's expect-tx arrival
+  if (tid >= 128 * kGroups) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if (tid == 128 * kGroups) produce<kCluster>(W, w0, act0, bar_full, bar_empty, rank);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    const int KT = (W.K + kBK - 1) / kBK;
+    const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    // The lane's ldmatrix row (row (lane & 7) + 8 ((lane >> 3) & 1) of the warp's 16) and its
+    // swizzled offset of k16 step 0 (chunk lane >> 4), opaque to ptxas so that they stay in
+    // registers across stages.
+    const int row = wg * 64 + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    uint32_t w_t = w0 + row * (kBK * 2);
+    uint32_t x = static_cast<uint32_t>(((lane >> 4) ^ (lane & 7)) << 4);
+    asm volatile("" : "+r"(w_t), "+r"(x));
+    uint32_t slot = 0, phase = 0;
+    float acc[kMaxTokens / 2];
+    wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
+      // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
+      // of its parts the MMAs cover.
+      by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
+        constexpr int kCh = decltype(chunks)::value;
+        wsp::group_item<kCh * kChunk, kCluster, kStages>(
+            W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
+              consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank);
+            });
+      });
+    });
+  }
+  // No CTA of a cluster leaves while its peer may still arrive on its barriers.
+  if constexpr (kCluster == 2) cluster_sync();
+#else
+  __trap();
+#endif
+}
+
+}  // namespace
+
+size_t wsp_workspace_bytes(int64_t R, int64_t E) {
+  // The count, the list, and the slack run_grouped spends on aligning the base.
+  return 128 + 128 + wsp::list_entries(R, E) * 16;
+}
+
+std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
+  WspParams W{};
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kRowsCta);
+  if (e.empty())
+    e = wsp::run(g, W, kRowsCta, gemm16_wsp_kernel<1>, gemm16_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
+                 "gemm16_wsp_kernel");
+  if (!e.empty()) return e;
+  g_wsp_launches.fetch_add(1, std::memory_order_relaxed);
+  return std::string();
+}
+
+}  // namespace prefill
+}  // namespace hj
+
+// Launches of the persistent bf16 kernel so far in this process (for tests, through ctypes).
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillBf16WspLaunches() {
+  return hj::prefill::g_wsp_launches.load(std::memory_order_relaxed);
+}

@@ -820,7 +820,7 @@ struct WspShape {
   static_assert(kStages >= 4, "stages");
   static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 16 == 0, "slot alignment");
   static_assert(kMaxTokens <= ::hj::prefill::kMaxTokens && kMaxTokens % 16 == 0 && kNarrow < kMaxTokens, "widths");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= 96 * kThreads, "register budget");
+  static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
 };
 // Whether the producer precomputes the first factors (e2m1: fp4_factors' 12-odd instructions a row
 // and stage move from the 16 consumer warps to the 4 producer warps).

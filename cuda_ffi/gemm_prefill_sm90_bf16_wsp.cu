@@ -70,8 +70,7 @@ constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 102
 // warpgroups (640 threads, or 544 with a producer warp: the four sub-partitions' register files
 // take whole warps in turn) launch at 96, and their 112 a thread serializes the wgmma (C7512).
 constexpr int kProducerRegs = 32, kConsumerRegs = 160;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= wsp::launch_regs(kThreads) * kThreads,
-              "setmaxnreg hands out only the registers the CTA was launched with");
+static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
 static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
 
 // gemm16_wsp_kernel launches by this process (HjPrefillBf16WspLaunches): lets the GPU tests prove

@@ -67,8 +67,7 @@ constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 102
 // setmaxnreg from the launch's 128 (512 threads): 32 x 128 + 160 x 384 = 64 K.
 constexpr int kProducerRegs = 32, kConsumerRegs = 160;
 constexpr int kScaleAhead = 2;  // stages between a scale's load and its store (the producer's register ring)
-static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kGroups <= wsp::launch_regs(kThreads) * kThreads,
-              "setmaxnreg hands out only the registers the CTA was launched with");
+static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
 static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
 static_assert(kRowsCta < 256, "a CTA's rows meet at most two 128-row scale blocks");
 

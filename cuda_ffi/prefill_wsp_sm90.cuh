@@ -34,10 +34,6 @@ constexpr int kActMaps = kMaxTokens / 16;              // half-tile boxes of 8, 
 constexpr int kPassTokens = 32;                        // tokens per epilogue pass
 constexpr int kStageRow = 64 * 2 + 16;                 // a warpgroup's staging row (bytes)
 constexpr int kStagingBytes = kPassTokens * kStageRow;  // a warpgroup's staging buffer
-// Registers a thread of a one-CTA-per-SM launch of `threads` gets: the SM's four sub-partitions
-// hold 16 K each and take the warps in turn, 8-register steps. setmaxnreg redistributes no more
-// than threads times this.
-constexpr int launch_regs(int threads) { return (65536 / (((threads + 127) / 128) * 128)) & ~7; }
 static_assert(kMaxTokens % kChunk == 0 && kChunk % 16 == 0 && kChunk <= 64, "chunks");
 
 // The tile list (tile_list.cuh, in whole chunks): ceil(rows / kMaxTokens) tiles an expert, at most

@@ -20,6 +20,13 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t lo) {
 
 // D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory); acc = 0 overwrites D.
 // One specialization per tile width.
+// Whether setmaxnreg can give a producer warpgroup `producer` registers a thread and `groups`
+// consumer warpgroups `consumer`: it only redistributes what the CTA was launched with, which for
+// one CTA per SM is 16 K per sub-partition, the warps taken in turn, in 8-register steps.
+constexpr bool setmaxnreg_fits(int threads, int groups, int producer, int consumer) {
+  return producer * 128 + consumer * 128 * groups <= ((65536 / (((threads + 127) / 128) * 128)) & ~7) * threads;
+}
+
 template <int N>
 struct Mma;
 

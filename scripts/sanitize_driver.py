@@ -1,11 +1,12 @@
 """Runs every humming_jax custom call on the GPU at small shapes, every weight type and layout, for
 compute-sanitizer (memcheck, racecheck):
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py [--rs4 | --wsp] [--cpu]
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_driver.py [--rs4 | --wsp | --fp8-ring CASE] [--cpu]
 
 (--rs4: only the 4-bit mainloop's calls; --wsp: only the bf16 and w8a8-fp8-block128 grouped calls,
-for a run with HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP; --cpu: on the CPU backend, to check this
-script.)
+for a run with HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP; --fp8-ring CASE: one w8a8-fp8-block128
+grouped call, by how far each CTA's stage ring runs (fp8_ring_case); --cpu: on the CPU backend, to
+check this script.)
 
 Shapes are chosen to reach the kernels' edge paths: N not a multiple of the tile, K not a multiple
 of 8 or 32, scale groups narrower than 8 columns, empty experts, padding ids, zero tokens.
@@ -99,7 +100,24 @@ def wsp_many_items():
     """bf16 and fp8 grouped calls with more work items than SMs (~150 rows on each of 64 experts:
     two tiles each; N = 600 / 512, the last weight block partial; a partial last k stage for bf16)."""
     prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64))
-    prefill_grouped("w8a8-fp8-block128", 2400, e=64, n=512, k=384, topk=4, experts=range(64))
+    fp8_ring_case("across")
+
+
+# One w8a8-fp8-block128 grouped call each (prefill_grouped's arguments), by how far a CTA's stage
+# ring runs: "none": fewer tiles than SMs and 2 k blocks, no slot written twice; "within": few
+# tiles of 12 k blocks, the ring wrapping within a tile; "across": more tiles than SMs of 3 k
+# blocks (wsp_many_items' fp8 call), the ring running on across a CTA's tiles.
+FP8_RING_CASES = {
+    "none": dict(m=1200),
+    "within": dict(m=300, e=3, n=256, k=1536),
+    "across": dict(m=2400, e=64, n=512, k=384, topk=4, experts=range(64)),
+}
+
+
+def fp8_ring_case(name: str) -> None:
+    """One case of FP8_RING_CASES alone, for a racecheck run that places where a hazard needs the
+    stage ring to wrap."""
+    prefill_grouped("w8a8-fp8-block128", **FP8_RING_CASES[name])
 
 
 def main() -> None:
@@ -113,6 +131,13 @@ def main() -> None:
             prefill_grouped(scheme, m)
         rs4_many_items()
         print(f"sanitize_driver: {calls} jitted calls completed (--rs4)")
+        return
+    if "--fp8-ring" in sys.argv:
+        name = sys.argv[sys.argv.index("--fp8-ring") + 1]
+        if name not in FP8_RING_CASES:
+            raise SystemExit(f"--fp8-ring takes one of {sorted(FP8_RING_CASES)}, not {name!r}")
+        fp8_ring_case(name)
+        print(f"sanitize_driver: {calls} jitted calls completed (--fp8-ring {name})")
         return
     if "--wsp" in sys.argv:
         # Only the calls of the persistent bf16 and fp8 kernels (for a sanitizer run with

@@ -43,13 +43,12 @@ using decode::wgmma_commit;
 using decode::wgmma_fence;
 using decode::wgmma_wait;
 
-using wsp::by_chunks;
-using wsp::kActMaps;
 using wsp::kChunk;
-using wsp::kMaxTokens;
 using wsp::kStagingBytes;
 using wsp::release;
-using wsp::tile_width;
+
+constexpr int kMaxTokens = 128;                   // token rows per tile
+constexpr int kActMaps = wsp::act_maps<kMaxTokens>();
 
 constexpr int kBK = 128;                          // k per stage: one 128-byte row of codes, one scale block
 constexpr int kGroups = 3;                        // consumer warpgroups
@@ -106,7 +105,7 @@ __device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint
   const int KT = W.K / kBK, NB = W.N / 128;
   uint32_t slot = 0, phase = 0;
   wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
-    const int width = tile_width(tile.z), half = width / 2;
+    const int width = wsp::tile_width<kMaxTokens>(tile.z), half = width / 2;
     const CUtensorMap* map = &W.act[half / 8 - 1];
     const uint32_t tx = static_cast<uint32_t>(kWBytes + width * kBK);  // both halves land here
     // Token p's scale row (tokens past the tile or R: zero) and the scale rows of weight blocks
@@ -251,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
       // This warpgroup's scales in a slot: those of block (n0 + 64 wg) / 128, the first or second
       // of the CTA's two.
       const uint32_t blk_t = tok_t + kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
-      by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
+      wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
         wsp::group_item<kCh * kChunk, kCluster, kStages>(
             W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
@@ -277,8 +276,8 @@ std::string run_fp8_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_
   W.R = static_cast<int>(g.R);
   std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g, kBK, kRowsCta);  // e4m3 codes as bytes
   if (e.empty())
-    e = wsp::run(g, W, kRowsCta, gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
-                 "gemm8_wsp_kernel");
+    e = wsp::run(g, W, kRowsCta, kMaxTokens, gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, cluster, kThreads, kSmem, dev,
+                 stream, "gemm8_wsp_kernel");
   if (!e.empty()) return e;
   g_fp8_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();

@@ -18,8 +18,6 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t lo) {
   return (static_cast<uint64_t>((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
-// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory); acc = 0 overwrites D.
-// One specialization per tile width.
 // Whether setmaxnreg can give a producer warpgroup `producer` registers a thread and `groups`
 // consumer warpgroups `consumer`: it only redistributes what the CTA was launched with, which for
 // one CTA per SM is 16 K per sub-partition, the warps taken in turn, in 8-register steps.
@@ -27,6 +25,8 @@ constexpr bool setmaxnreg_fits(int threads, int groups, int producer, int consum
   return producer * 128 + consumer * 128 * groups <= ((65536 / (((threads + 127) / 128) * 128)) & ~7) * threads;
 }
 
+// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory); acc = 0 overwrites D.
+// One specialization per tile width.
 template <int N>
 struct Mma;
 

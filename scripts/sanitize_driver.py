@@ -133,7 +133,8 @@ def main() -> None:
         print(f"sanitize_driver: {calls} jitted calls completed (--rs4)")
         return
     if "--fp8-ring" in sys.argv:
-        name = sys.argv[sys.argv.index("--fp8-ring") + 1]
+        at = sys.argv.index("--fp8-ring") + 1
+        name = sys.argv[at] if at < len(sys.argv) else ""
         if name not in FP8_RING_CASES:
             raise SystemExit(f"--fp8-ring takes one of {sorted(FP8_RING_CASES)}, not {name!r}")
         fp8_ring_case(name)

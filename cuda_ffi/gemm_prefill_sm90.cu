@@ -54,15 +54,15 @@ int64_t u4rs_max_rows_per_expert() {
 
 // HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: unset or 0, the bf16 /
 // w8a8-fp8-block128 calls stay on the CUTLASS kinds; 1 / 2, they take Kind::kBf16Wsp /
-// Kind::kFp8Block128Wsp on clusters of one / two CTAs; bf16 only, 3 / 4: the same on tiles of up
-// to 256 tokens (A/B timing; humming_jax/ops/gemm.py checks the value when the call is traced). A
+// Kind::kFp8Block128Wsp on clusters of one / two CTAs; 3 / 4: the same on tiles of up to 256
+// tokens (A/B timing; humming_jax/ops/gemm.py checks the value when the call is traced). A
 // malformed value reads as 0 here.
 int wsp_switch(const char* var, int64_t max) {
   const int64_t v = env_count(var, 0, 0);
   return v >= 1 && v <= max ? static_cast<int>(v) : 0;
 }
 int bf16_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_BF16_WSP", 4); }
-int fp8_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_FP8_WSP", 2); }
+int fp8_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_FP8_WSP", 4); }
 
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
@@ -295,7 +295,11 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
       err = run_bf16_wsp(a, dev, stream, v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128);
       break;
     }
-    case Kind::kFp8Block128Wsp: err = run_fp8_wsp(a, dev, stream, fp8_wsp_switch() == 2 ? 2 : 1); break;
+    case Kind::kFp8Block128Wsp: {
+      const int v = fp8_wsp_switch();  // as the bf16 switch
+      err = run_fp8_wsp(a, dev, stream, v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128);
+      break;
+    }
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())

@@ -374,9 +374,10 @@ def rs4_warp_specialized_switch() -> int | None:
 # Our own persistent kernels instead of the CUTLASS kinds, for A/B timing: the bf16 grouped GEMM
 # with unquantized bf16 weights (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu,
 # $HUMMING_JAX_PREFILL_BF16_WSP) and w8a8-fp8-block128 (gemm_prefill_sm90_fp8_wsp.cu,
-# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens; bf16
-# only, =3 / =4 the same on tiles of up to 256 tokens (two consumer warpgroups); 0 or unset, never. Their tile list fits in grouped_workspace_bytes. Read when the call is traced, as by
-# the CUDA handler at each call.
+# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens, =3 / =4
+# the same on tiles of up to 256 tokens (two consumer warpgroups); 0 or unset, never. Their tile
+# list fits in grouped_workspace_bytes. Read when the call is traced, as by the CUDA handler at
+# each call.
 ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
 ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
 
@@ -397,9 +398,8 @@ def bf16_wsp_switch() -> int | None:
 
 
 def fp8_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_FP8_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
-    any other value is an error."""
-    return _wsp_switch(ENV_PREFILL_FP8_WSP, 2)
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0-4, as bf16_wsp_switch."""
+    return _wsp_switch(ENV_PREFILL_FP8_WSP, 4)
 
 
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,

@@ -54,14 +54,15 @@ int64_t u4rs_max_rows_per_expert() {
 
 // HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: unset or 0, the bf16 /
 // w8a8-fp8-block128 calls stay on the CUTLASS kinds; 1 / 2, they take Kind::kBf16Wsp /
-// Kind::kFp8Block128Wsp on clusters of one / two CTAs (A/B timing; humming_jax/ops/gemm.py checks
-// the value when the call is traced). A malformed value reads as 0 here.
-int wsp_cluster(const char* var) {
+// Kind::kFp8Block128Wsp on clusters of one / two CTAs; 3 / 4: the same on tiles of up to 256
+// tokens (A/B timing; humming_jax/ops/gemm.py checks the value when the call is traced). A
+// malformed value reads as 0 here.
+int wsp_switch(const char* var, int64_t max) {
   const int64_t v = env_count(var, 0, 0);
-  return v == 1 || v == 2 ? static_cast<int>(v) : 0;
+  return v >= 1 && v <= max ? static_cast<int>(v) : 0;
 }
-int bf16_wsp_cluster() { return wsp_cluster("HUMMING_JAX_PREFILL_BF16_WSP"); }
-int fp8_wsp_cluster() { return wsp_cluster("HUMMING_JAX_PREFILL_FP8_WSP"); }
+int bf16_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_BF16_WSP", 4); }
+int fp8_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_FP8_WSP", 4); }
 
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
@@ -194,7 +195,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
     if (p.a.type == ElemType::kBF16) {
       // Our persistent kernel where the switch selects it (the call then fails, naming what is
       // missing, without the driver's tensor-map encoder or past the workspace bound, some 2 M rows).
-      if (bf16_wsp_cluster() > 0) return Kind::kBf16Wsp;
+      if (bf16_wsp_switch() > 0) return Kind::kBf16Wsp;
       return Kind::kBf16;
     }
     if (p.a.type == ElemType::kF16) return Kind::kF16;
@@ -213,7 +214,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   if (w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.c_type == ElemType::kBF16 &&
       w.scale_type == ElemType::kF32 && w.zero == nullptr && w.scale2 == nullptr && w.group_n == 128 &&
       w.group_k == 128 && p.a.group_k == 128 && N % 128 == 0 && K % 128 == 0 && p.a.scale != nullptr)
-    return fp8_wsp_cluster() > 0 ? Kind::kFp8Block128Wsp : Kind::kFp8Block128;
+    return fp8_wsp_switch() > 0 ? Kind::kFp8Block128Wsp : Kind::kFp8Block128;
   return Kind::kNone;
 }
 }  // namespace
@@ -289,8 +290,16 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
     case Kind::kFp4Bf16:
     case Kind::kU4Bf16Rs: err = run_rs4(a, dev, stream); break;
-    case Kind::kBf16Wsp: err = run_bf16_wsp(a, dev, stream, bf16_wsp_cluster() == 2 ? 2 : 1); break;
-    case Kind::kFp8Block128Wsp: err = run_fp8_wsp(a, dev, stream, fp8_wsp_cluster() == 2 ? 2 : 1); break;
+    case Kind::kBf16Wsp: {
+      const int v = bf16_wsp_switch();  // 1, 2: tiles of 128 tokens; 3, 4: of 256; even: clusters of two
+      err = run_bf16_wsp(a, dev, stream, v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128);
+      break;
+    }
+    case Kind::kFp8Block128Wsp: {
+      const int v = fp8_wsp_switch();  // as the bf16 switch
+      err = run_fp8_wsp(a, dev, stream, v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128);
+      break;
+    }
     default: return invalid(call, "no prefill kernel for this problem");
   }
   if (!err.empty())

@@ -56,12 +56,14 @@ enum class Kind : int {
   // bf16 x unquantized bf16 weights -> bf16 on our own persistent kernel (gemm_prefill_sm90_bf16_wsp.cu):
   // weight rows on wgmma's A operand, tiles of up to 128 tokens costing their rows rounded up to 32.
   // Only where HUMMING_JAX_PREFILL_BF16_WSP=1 (one CTA per SM) or =2 (clusters of two sharing the
-  // tokens by multicast) selects it, for A/B timing against kBf16 / kBf16M64; 0 or unset: never.
+  // tokens by multicast) selects it, for A/B timing against kBf16 / kBf16M64; =3 / =4: the same
+  // with tiles of up to 256 tokens (two consumer warpgroups); 0 or unset: never.
   kBf16Wsp = 12,
   // w8a8-fp8-block128 on our own persistent kernel (gemm_prefill_sm90_fp8_wsp.cu): the same tiles,
   // the block scales applied a 128-k stage and 32-token chunk at a time. Only where
   // HUMMING_JAX_PREFILL_FP8_WSP=1 or =2 (clusters of two) selects it, for A/B timing against
-  // kFp8Block128 / kFp8Block128M64; 0 or unset: never.
+  // kFp8Block128 / kFp8Block128M64; =3 / =4: the same with tiles of up to 256 tokens (two consumer
+  // warpgroups); 0 or unset: never.
   kFp8Block128Wsp = 13,
 };
 
@@ -204,8 +206,11 @@ std::string run_rs4(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t
 // Kinds kBf16Wsp and kFp8Block128Wsp: workspace bytes (their tile list, with the alignment slack),
 // and the launches on clusters of `cluster` (1 or 2) CTAs.
 size_t wsp_workspace_bytes(int64_t R, int64_t E);
-std::string run_bf16_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster);
-std::string run_fp8_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster);
+// Tiles of up to max_tokens (128 or 256) token rows, clusters of `cluster` (1 or 2) CTAs.
+std::string run_bf16_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster,
+                         int max_tokens);
+std::string run_fp8_wsp(const GroupedArgs& args, const DeviceInfo& dev, cudaStream_t stream, int cluster,
+                        int max_tokens);
 
 }  // namespace prefill
 }  // namespace hj

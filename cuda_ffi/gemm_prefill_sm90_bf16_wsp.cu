@@ -12,10 +12,17 @@
 //  * No tensor-map update between experts: the weights are one 3-D map [E, N, K], the tokens one
 //    map over all R rows. A tile's box reads past its expert's rows into the next expert's (or
 //    zeros past R); those columns of the accumulators are never stored.
-//  * One CTA per SM, persistent over the work items (tile x block of 192 weight rows) by a static
-//    stride: three consumer warpgroups and a producer warpgroup (setmaxnreg 32 / 160 from the
-//    launch's 128), a ring of kStages stages, each warpgroup's epilogue through its own
-//    staging buffer and named barrier.
+//  * One CTA per SM, persistent over the work items (tile x block of weight rows) by a static
+//    stride, a ring of kStages stages, each warpgroup's epilogue through its own staging buffer and
+//    named barrier. Two forms (Form<kMaxTokens>):
+//     - tiles of up to 128 tokens: three consumer warpgroups (192 weight rows) and a producer
+//       warpgroup, setmaxnreg 32 / 160 from the launch's 128;
+//     - tiles of up to 256 tokens: two consumer warpgroups (128 weight rows) and a producer
+//       warpgroup, setmaxnreg 40 / 232 from the launch's 168, room for 128 accumulators a thread.
+//       Each MMA reads its tokens from shared memory once per 64 x 32 x 16 MACs whatever the tile,
+//       but a tile of twice the tokens halves the weight fragments' ldmatrix reads per MAC, and a
+//       stage's TMA writes per MAC fall from 1/64 + 1/96 to 1/128 + 1/64 bytes: shared-memory
+//       traffic per MAC as the CUTLASS kind's 128 x 256 tiles (benchmarks/NOTES.md, v12).
 //  * kCluster = 2: two CTAs of a cluster take neighbouring blocks of weight rows of the same tile
 //    and load half of its tokens each, multicast to both, which halves the tokens' L2 traffic (the
 //    CUTLASS kind's 1 x 2 cluster does the same for its A tile). A consumer warp releases a slot
@@ -49,55 +56,64 @@ using decode::wgmma_commit;
 using decode::wgmma_fence;
 using decode::wgmma_wait;
 
-using wsp::by_chunks;
-using wsp::kActMaps;
 using wsp::kChunk;
-using wsp::kMaxTokens;
 using wsp::kStagingBytes;
 using wsp::release;
-using wsp::tile_width;
 
-constexpr int kBK = 64;                           // k per stage: one 128-byte swizzle row of bf16
-constexpr int kGroups = 3;                        // consumer warpgroups
-constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
-constexpr int kRowsCta = 64 * kGroups;            // weight rows (output columns) per CTA
-constexpr int kWBytes = kRowsCta * kBK * 2;       // a stage's weights (24 KB: one TMA box)
-constexpr int kActBytes = kMaxTokens * kBK * 2;   // a stage's tokens (16 KB)
+constexpr int kBK = 64;  // k per stage: one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
-constexpr int kRingBytes = kStages * (kWBytes + kActBytes);
-constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
-// setmaxnreg only redistributes the launch's registers: 128 a thread at 512 threads. Four consumer
-// warpgroups (640 threads, or 544 with a producer warp: the four sub-partitions' register files
-// take whole warps in turn) launch at 96, and their 112 a thread serializes the wgmma (C7512).
-constexpr int kProducerRegs = 32, kConsumerRegs = 160;
-static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
-static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
+
+// A form of the kernel: tiles of up to kMaxTokens token rows.
+template <int kMaxTokens_>
+struct Form {
+  static constexpr int kMaxTokens = kMaxTokens_;
+  static constexpr int kActMaps = wsp::act_maps<kMaxTokens>();
+  static constexpr int kGroups = kMaxTokens == 256 ? 2 : 3;      // consumer warpgroups
+  static constexpr int kThreads = (kGroups + 1) * 128;            // + the producer warpgroup
+  static constexpr int kRowsCta = 64 * kGroups;                   // weight rows (output columns) per CTA
+  static constexpr int kWBytes = kRowsCta * kBK * 2;              // a stage's weights (one TMA box)
+  static constexpr int kActBytes = kMaxTokens * kBK * 2;          // a stage's tokens
+  static constexpr int kRingBytes = kStages * (kWBytes + kActBytes);
+  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
+  // setmaxnreg only redistributes the launch's registers: 128 a thread at 512 threads, 168 at 384.
+  // Four consumer warpgroups (640 threads, or 544 with a producer warp: the four sub-partitions'
+  // register files take whole warps in turn) launch at 96, and their 112 a thread serializes the
+  // wgmma (C7512).
+  static constexpr int kProducerRegs = kMaxTokens == 256 ? 40 : 32;
+  static constexpr int kConsumerRegs = kMaxTokens == 256 ? 232 : 160;
+  static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
+  static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
+};
 
 // gemm16_wsp_kernel launches by this process (HjPrefillBf16WspLaunches): lets the GPU tests prove
 // that a call took this kernel rather than the CUTLASS kind.
 std::atomic<uint64_t> g_wsp_launches{0};
 
+template <int kMaxTokens>
 struct WspParams {
-  CUtensorMap w;                  // [E, N, K] bf16, boxes of 64 k x 192 rows x 1
-  CUtensorMap act[kActMaps];      // [R, K] bf16, boxes of 64 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
-  const float* bias;              // [E, N] or nullptr
-  __nv_bfloat16* c;               // [R, N]
-  int4* tiles;                    // (expert, first row, rows, 0)
-  int* count;                     // tiles in the list
+  CUtensorMap w;  // [E, N, K] bf16, boxes of 64 k x kRowsCta rows x 1
+  // [R, K] bf16, boxes of 64 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
+  CUtensorMap act[Form<kMaxTokens>::kActMaps];
+  const float* bias;  // [E, N] or nullptr
+  __nv_bfloat16* c;   // [R, N]
+  int4* tiles;        // (expert, first row, rows, 0)
+  int* count;         // tiles in the list
   int N, K;
 };
 
 // The producer (one thread): for each of this cluster's items, its KT stages into the ring; slot
-// and phase run on across items. Each stage: the CTA's 192 weight rows (one box), and half of the
-// tile's tokens (row0 + rank * width / 2), multicast to both CTAs of a cluster of two; a CTA alone
-// loads both halves.
-template <int kCluster>
-__device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_t act0, uint32_t bar_full,
+// and phase run on across items. Each stage: the CTA's kRowsCta weight rows (one box), and half of
+// the tile's tokens (row0 + rank * width / 2), multicast to both CTAs of a cluster of two; a CTA
+// alone loads both halves.
+template <int kMaxTokens, int kCluster>
+__device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0, uint32_t bar_full,
                                         uint32_t bar_empty, int rank) {
+  using F = Form<kMaxTokens>;
+  constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes;
   const int KT = (W.K + kBK - 1) / kBK;
   uint32_t slot = 0, phase = 0;
-  wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
-    const int width = tile_width(tile.z), half = width / 2;
+  wsp::for_items<kCluster, F::kRowsCta>(W, rank, [&](int4 tile, int n0) {
+    const int width = wsp::tile_width<kMaxTokens>(tile.z), half = width / 2;
     const CUtensorMap* map = &W.act[half / 8 - 1];
     const uint32_t tx = static_cast<uint32_t>(kWBytes + width * kBK * 2);  // both halves land here
 #pragma unroll 1
@@ -117,10 +133,11 @@ __device__ __forceinline__ void produce(const WspParams& W, uint32_t w0, uint32_
 // A consumer warpgroup's part of one item (weight rows [64 wg, + 64) of the CTA's) with kCh chunks
 // of kChunk tokens: per stage and k16 step, the warp's 16 x 16 weight fragment by ldmatrix (double
 // buffered across steps: step j + 1's load overlaps step j's MMAs), then the kCh MMAs.
-template <int kCh, int kCluster>
-__device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0,
-                                        uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
+template <int kMaxTokens, int kCh, int kCluster>
+__device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0, uint32_t bar_full,
+                                        uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
                                         float (&acc)[kMaxTokens / 2], int lane, int rank) {
+  constexpr int kWBytes = Form<kMaxTokens>::kWBytes, kActBytes = Form<kMaxTokens>::kActBytes;
   uint32_t frag[2][4];
   uint32_t prev = 0;
   for (int kt = 0; kt < KT; ++kt) {
@@ -161,23 +178,26 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
 }
 
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
-template <int kCluster>
-__global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_constant__ WspParams W) {
+template <int kMaxTokens, int kCluster>
+__global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
+    gemm16_wsp_kernel(const __grid_constant__ WspParams<kMaxTokens> W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  using F = Form<kMaxTokens>;
+  constexpr int kGroups = F::kGroups, kRowsCta = F::kRowsCta;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
-  const uint32_t w0 = base, act0 = base + kStages * kWBytes;
-  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + kRingBytes;
+  const uint32_t w0 = base, act0 = base + kStages * F::kWBytes;
+  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + F::kRingBytes;
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
   wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, 1);  // full: the producer's expect-tx arrival
   if (tid >= 128 * kGroups) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    if (tid == 128 * kGroups) produce<kCluster>(W, w0, act0, bar_full, bar_empty, rank);
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(F::kProducerRegs));
+    if (tid == 128 * kGroups) produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(F::kConsumerRegs));
     const int KT = (W.K + kBK - 1) / kBK;
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     // The lane's ldmatrix row (row (lane & 7) + 8 ((lane >> 3) & 1) of the warp's 16) and its
@@ -192,11 +212,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
     wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
       // of its parts the MMAs cover.
-      by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
+      wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
         wsp::group_item<kCh * kChunk, kCluster, kStages>(
             W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
-              consume<kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank);
+              consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank);
             });
       });
     });
@@ -208,6 +228,18 @@ __global__ void __launch_bounds__(kThreads, 1) gemm16_wsp_kernel(const __grid_co
 #endif
 }
 
+// One launch of the form with tiles of up to kMaxTokens tokens; an error message, or empty.
+template <int kMaxTokens>
+std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
+  using F = Form<kMaxTokens>;
+  WspParams<kMaxTokens> W{};
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, F::kRowsCta);
+  if (e.empty())
+    e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm16_wsp_kernel<kMaxTokens, 1>, gemm16_wsp_kernel<kMaxTokens, 2>,
+                 cluster, F::kThreads, F::kSmem, dev, stream, "gemm16_wsp_kernel");
+  return e;
+}
+
 }  // namespace
 
 size_t wsp_workspace_bytes(int64_t R, int64_t E) {
@@ -215,12 +247,11 @@ size_t wsp_workspace_bytes(int64_t R, int64_t E) {
   return 128 + 128 + wsp::list_entries(R, E) * 16;
 }
 
-std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
-  WspParams W{};
-  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kRowsCta);
-  if (e.empty())
-    e = wsp::run(g, W, kRowsCta, gemm16_wsp_kernel<1>, gemm16_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
-                 "gemm16_wsp_kernel");
+std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster,
+                         int max_tokens) {
+  if (max_tokens != 128 && max_tokens != 256) return "the persistent bf16 kernel takes tiles of 128 or 256 tokens";
+  const std::string e =
+      max_tokens == 256 ? run_form<256>(g, dev, stream, cluster) : run_form<128>(g, dev, stream, cluster);
   if (!e.empty()) return e;
   g_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();

@@ -7,11 +7,18 @@
 //    block, so the stage's MMAs (four k32 steps per kChunk-token chunk) go into a partial sum that is
 //    then scaled into the accumulators: acc += partial * a_scale[token, kb] * w_scale[rows, kb],
 //    a chunk at a time (two partial buffers: chunk c's MMAs run while chunk c - 1 is scaled).
-//  * Three consumer warpgroups (192 weight rows a CTA; a warpgroup's 64 rows lie in one 128-row
-//    scale block) and a producer warpgroup: `setmaxnreg` 32 / 160 from the launch's 128, room for
-//    the accumulators, two partial buffers and the stage's A fragments. The producer's 128 threads
-//    write the stage's token scales (one a thread, loaded two stages ahead) and the CTA's two
-//    weight-block scales beside the codes; one of them issues the TMA boxes.
+//  * Two forms (Form<kMaxTokens>):
+//     - tiles of up to 128 tokens: three consumer warpgroups (192 weight rows a CTA; a warpgroup's
+//       64 rows lie in one 128-row scale block, the CTA's in two) and a producer warpgroup,
+//       `setmaxnreg` 32 / 160 from the launch's 128: room for the accumulators, two partial buffers
+//       and the stage's A fragments; 5 stages;
+//     - tiles of up to 256 tokens: two consumer warpgroups (128 weight rows, one scale block) and
+//       the producer warpgroup, `setmaxnreg` 40 / 232 from the launch's 168: 128 accumulators a
+//       thread; 4 stages. Shared-memory traffic per MAC as the CUTLASS kind's tiles (the bf16
+//       kernel's 256-token form; benchmarks/NOTES.md, v12).
+//    The producer's 128 threads write the stage's token scales (one or two a thread, loaded two
+//    stages ahead) times the CTA's weight-block scales beside the codes; one of them issues the
+//    TMA boxes.
 //  * Tiles of whole 32-token chunks (tile_list.cuh), one tensor map a operand, no descriptor update
 //    between experts, clusters of two sharing the tokens by multicast (=2), as in the bf16 kernel.
 // Needs K % 128 == 0 and N % 128 == 0 (the CUTLASS kind's blocks). Output: acc (float32 over the
@@ -43,46 +50,56 @@ using decode::wgmma_commit;
 using decode::wgmma_fence;
 using decode::wgmma_wait;
 
-using wsp::by_chunks;
-using wsp::kActMaps;
 using wsp::kChunk;
-using wsp::kMaxTokens;
 using wsp::kStagingBytes;
 using wsp::release;
-using wsp::tile_width;
 
-constexpr int kBK = 128;                          // k per stage: one 128-byte row of codes, one scale block
-constexpr int kGroups = 3;                        // consumer warpgroups
-constexpr int kThreads = (kGroups + 1) * 128;     // + the producer warpgroup
-constexpr int kRowsCta = 64 * kGroups;            // weight rows (output columns) per CTA
-constexpr int kWBytes = kRowsCta * kBK;           // a stage's codes (24 KB: one TMA box)
-constexpr int kActBytes = kMaxTokens * kBK;       // a stage's token codes (16 KB)
-// A scale slot: for each of the CTA's two 128-row weight blocks, the tile's token scales times the
-// block's scale (the producer multiplies; a consumer reads its warpgroup's block).
-constexpr int kBlockScaleBytes = kMaxTokens * 4;
-constexpr int kScaleBytes = 2 * kBlockScaleBytes;
-constexpr int kStages = 5;
-constexpr int kRingBytes = kStages * (kWBytes + kActBytes + kScaleBytes);
-constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
-// setmaxnreg from the launch's 128 (512 threads): 32 x 128 + 160 x 384 = 64 K.
-constexpr int kProducerRegs = 32, kConsumerRegs = 160;
+constexpr int kBK = 128;  // k per stage: one 128-byte row of codes, one scale block
 constexpr int kScaleAhead = 2;  // stages between a scale's load and its store (the producer's register ring)
-static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
-static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
-static_assert(kRowsCta < 256, "a CTA's rows meet at most two 128-row scale blocks");
+
+// A form of the kernel: tiles of up to kMaxTokens token rows.
+template <int kMaxTokens_>
+struct Form {
+  static constexpr int kMaxTokens = kMaxTokens_;
+  static constexpr int kActMaps = wsp::act_maps<kMaxTokens>();
+  static constexpr int kGroups = kMaxTokens == 256 ? 2 : 3;  // consumer warpgroups
+  static constexpr int kThreads = (kGroups + 1) * 128;        // + the producer warpgroup
+  static constexpr int kRowsCta = 64 * kGroups;               // weight rows (output columns) per CTA
+  static constexpr int kWBytes = kRowsCta * kBK;              // a stage's codes (one TMA box)
+  static constexpr int kActBytes = kMaxTokens * kBK;          // a stage's token codes
+  // 128-row weight scale blocks a CTA's rows meet: 192 rows from a multiple of 192, two; 128 rows
+  // from a multiple of 128, one.
+  static constexpr int kBlocks = kRowsCta == 128 ? 1 : 2;
+  static constexpr int kTokensPerThread = kMaxTokens / 128;  // token scales a producer thread writes
+  // A scale slot: for each of the CTA's weight blocks, the tile's token scales times the block's
+  // scale (the producer multiplies; a consumer reads its warpgroup's block).
+  static constexpr int kBlockScaleBytes = kMaxTokens * 4;
+  static constexpr int kScaleBytes = kBlocks * kBlockScaleBytes;
+  static constexpr int kStages = kMaxTokens == 256 ? 4 : 5;
+  static constexpr int kRingBytes = kStages * (kWBytes + kActBytes + kScaleBytes);
+  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
+  // setmaxnreg from the launch's 128 (512 threads) or 168 (384).
+  static constexpr int kProducerRegs = kMaxTokens == 256 ? 40 : 32;
+  static constexpr int kConsumerRegs = kMaxTokens == 256 ? 232 : 160;
+  static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
+  static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
+  static_assert(kRowsCta == 128 || kRowsCta == 192, "a CTA's rows meet one or two 128-row scale blocks");
+};
 
 // gemm8_wsp_kernel launches by this process (HjPrefillFp8WspLaunches), for the GPU tests.
 std::atomic<uint64_t> g_fp8_wsp_launches{0};
 
+template <int kMaxTokens>
 struct Fp8WspParams {
-  CUtensorMap w;                // [E, N, K] e4m3, boxes of 128 k x 192 rows x 1
-  CUtensorMap act[kActMaps];    // [R, K] e4m3, boxes of 128 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
-  const float* a_scale;         // [R, K / 128]
-  const float* w_scale;         // [E, N / 128, K / 128]
-  const float* bias;            // [E, N] or nullptr
-  __nv_bfloat16* c;             // [R, N]
-  int4* tiles;                  // (expert, first row, rows, 0)
-  int* count;                   // tiles in the list
+  CUtensorMap w;  // [E, N, K] e4m3, boxes of 128 k x kRowsCta rows x 1
+  // [R, K] e4m3, boxes of 128 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
+  CUtensorMap act[Form<kMaxTokens>::kActMaps];
+  const float* a_scale;  // [R, K / 128]
+  const float* w_scale;  // [E, N / 128, K / 128]
+  const float* bias;     // [E, N] or nullptr
+  __nv_bfloat16* c;      // [R, N]
+  int4* tiles;           // (expert, first row, rows, 0)
+  int* count;            // tiles in the list
   int N, K, R;
 };
 
@@ -96,33 +113,43 @@ __device__ __forceinline__ float2 lds64(uint32_t a) {
 }
 
 // The producer warpgroup (thread p of 128): for each of this cluster's items, its KT stages; slot
-// and phase run on across items. Thread 0 issues the TMA boxes (the CTA's 192 weight rows; half of
-// the tile's tokens, multicast to both CTAs of a cluster of two, or both halves alone); thread p
-// stores token p's scale times each of the CTA's two weight-block scales of the stage, all three
-// loaded kScaleAhead stages ahead into a ring of register slots with compile-time indices.
-template <int kCluster>
-__device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint32_t act0, uint32_t sc0,
+// and phase run on across items. Thread 0 issues the TMA boxes (the CTA's kRowsCta weight rows;
+// half of the tile's tokens, multicast to both CTAs of a cluster of two, or both halves alone);
+// thread p stores tokens p (+ 128)'s scales times each of the CTA's weight-block scales of the
+// stage, all loaded kScaleAhead stages ahead into a ring of register slots with compile-time
+// indices.
+template <int kMaxTokens, int kCluster>
+__device__ __forceinline__ void produce(const Fp8WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0, uint32_t sc0,
                                         uint32_t bar_full, uint32_t bar_empty, int rank, int p) {
+  using F = Form<kMaxTokens>;
+  constexpr int kT = F::kTokensPerThread, kB = F::kBlocks;
+  constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes, kScaleBytes = F::kScaleBytes;
   const int KT = W.K / kBK, NB = W.N / 128;
   uint32_t slot = 0, phase = 0;
-  wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
-    const int width = tile_width(tile.z), half = width / 2;
+  wsp::for_items<kCluster, F::kRowsCta>(W, rank, [&](int4 tile, int n0) {
+    const int width = wsp::tile_width<kMaxTokens>(tile.z), half = width / 2;
     const CUtensorMap* map = &W.act[half / 8 - 1];
     const uint32_t tx = static_cast<uint32_t>(kWBytes + width * kBK);  // both halves land here
-    // Token p's scale row (tokens past the tile or R: zero) and the scale rows of weight blocks
-    // n0 / 128 and the next (past N: the first again, never used).
+    // Token p + 128 t's scale row (tokens past the tile or R: zero) and the scale rows of weight
+    // blocks n0 / 128 and, with two, the next (past N: the first again, never used).
     const int rb = n0 / 128;
-    const float* as_row =
-        p < width && tile.y + p < W.R ? W.a_scale + static_cast<int64_t>(tile.y + p) * KT : nullptr;
+    const float* as_row[kT];
+#pragma unroll
+    for (int t = 0; t < kT; ++t) {
+      const int q = p + 128 * t;
+      as_row[t] = q < width && tile.y + q < W.R ? W.a_scale + static_cast<int64_t>(tile.y + q) * KT : nullptr;
+    }
     const float* ws_row = W.w_scale + (static_cast<int64_t>(tile.x) * NB + rb) * KT;
     const int next_block = rb + 1 < NB ? KT : 0;
-    auto scales = [&](int kt, float (&d)[3]) {
+    // d[t]: token p + 128 t's scale; d[kT + b]: weight block rb + b's.
+    auto scales = [&](int kt, float (&d)[kT + kB]) {
       const int k = min(kt, KT - 1);  // past the end: a repeat, never stored
-      d[0] = as_row != nullptr ? __ldg(as_row + k) : 0.0f;
-      d[1] = __ldg(ws_row + k);
-      d[2] = __ldg(ws_row + next_block + k);
+#pragma unroll
+      for (int t = 0; t < kT; ++t) d[t] = as_row[t] != nullptr ? __ldg(as_row[t] + k) : 0.0f;
+#pragma unroll
+      for (int b = 0; b < kB; ++b) d[kT + b] = __ldg(ws_row + b * next_block + k);
     };
-    float ring[kScaleAhead][3];
+    float ring[kScaleAhead][kT + kB];
 #pragma unroll
     for (int j = 0; j < kScaleAhead; ++j) scales(j, ring[j]);
     auto stage = [&](int kt, auto ring_slot) {
@@ -133,11 +160,14 @@ __device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint
         mbar_arrive_expect_tx(full, tx);
         wsp::load_stage<kCluster>(w0 + slot * kWBytes, &W.w, act_s, map, kt * kBK, n0, tile, half, kBK, rank, full);
       }
-      sts32(sc_s + p * 4, ring[J][0] * ring[J][1]);
-      sts32(sc_s + kBlockScaleBytes + p * 4, ring[J][0] * ring[J][2]);
+#pragma unroll
+      for (int b = 0; b < kB; ++b)
+#pragma unroll
+        for (int t = 0; t < kT; ++t)
+          sts32(sc_s + b * F::kBlockScaleBytes + (p + 128 * t) * 4, ring[J][t] * ring[J][kT + b]);
       mbar_arrive(full);  // release: the scales above are visible to the waiters
       scales(kt + kScaleAhead, ring[J]);
-      if (++slot == kStages) {
+      if (++slot == F::kStages) {
         slot = 0;
         phase ^= 1u;
       }
@@ -152,8 +182,8 @@ __device__ __forceinline__ void produce(const Fp8WspParams& W, uint32_t w0, uint
 
 // Chunk c's partial sum into the accumulators: tokens 32 c + 8 i + 2 t + q, weight rows g + 8 h of
 // the warp; tok_s holds token 2 t's scale times the warpgroup's weight-block scale.
-template <int c>
-__device__ __forceinline__ void promote(float (&acc)[kMaxTokens / 2], const float (&part)[kChunk / 2], uint32_t tok_s) {
+template <int c, int kAcc>
+__device__ __forceinline__ void promote(float (&acc)[kAcc], const float (&part)[kChunk / 2], uint32_t tok_s) {
 #pragma unroll
   for (int i = 0; i < kChunk / 8; ++i) {
     const float2 s = lds64(tok_s + (c * kChunk + 8 * i) * 4);
@@ -169,18 +199,19 @@ __device__ __forceinline__ void promote(float (&acc)[kMaxTokens / 2], const floa
 // A consumer warpgroup's part of one item with kCh chunks: per stage, the warp's four k32 A
 // fragments by ldmatrix, then per chunk four MMAs into a partial buffer, scaled into the
 // accumulators while the next chunk's MMAs run.
-template <int kCh, int kCluster>
+template <int kMaxTokens, int kCh, int kCluster>
 __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0, uint32_t tok_t,
                                         uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
                                         float (&acc)[kMaxTokens / 2], int lane, int rank) {
+  using F = Form<kMaxTokens>;
 #pragma unroll
   for (int i = 0; i < kCh * kChunk / 2; ++i) acc[i] = 0.0f;
   uint32_t frag[4][4];
   float part[2][kChunk / 2];
   for (int kt = 0; kt < KT; ++kt) {
     mbar_wait(bar_full + 8 * slot, phase);
-    const uint32_t w_s = w_t + slot * kWBytes, dlo = smem_desc_lo(act0 + slot * kActBytes);
-    const uint32_t sc = slot * kScaleBytes;
+    const uint32_t w_s = w_t + slot * F::kWBytes, dlo = smem_desc_lo(act0 + slot * F::kActBytes);
+    const uint32_t sc = slot * F::kScaleBytes;
     // k32 step j's 32 bytes are 16-byte chunks 2 j and 2 j + 1 of the row (chunk ch at
     // ch ^ row % 8 in the 128-byte swizzle): the lane's chunk 2 j + (lane >> 4) is at x ^ 32 j.
 #pragma unroll
@@ -210,7 +241,7 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
     for (int i = 0; i < kChunk / 2; ++i) fence_reg(part[(kCh - 1) & 1][i]);
     promote<kCh - 1>(acc, part[(kCh - 1) & 1], tok_t + sc);
     release<kCluster>(bar_empty + 8 * slot, lane, rank);  // its codes and scales are read
-    if (++slot == kStages) {
+    if (++slot == F::kStages) {
       slot = 0;
       phase ^= 1u;
     }
@@ -218,24 +249,27 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
 }
 
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
-template <int kCluster>
-__global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_constant__ Fp8WspParams W) {
+template <int kMaxTokens, int kCluster>
+__global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
+    gemm8_wsp_kernel(const __grid_constant__ Fp8WspParams<kMaxTokens> W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+  using F = Form<kMaxTokens>;
+  constexpr int kGroups = F::kGroups, kRowsCta = F::kRowsCta, kStages = F::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
-  const uint32_t w0 = base, act0 = w0 + kStages * kWBytes, sc0 = act0 + kStages * kActBytes;
-  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + kRingBytes;
+  const uint32_t w0 = base, act0 = w0 + kStages * F::kWBytes, sc0 = act0 + kStages * F::kActBytes;
+  uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + F::kRingBytes;
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
   // Full: the expect-tx arrival and the 128 scale writers.
   wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, 1 + 128);
   if (tid >= 128 * kGroups) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    produce<kCluster>(W, w0, act0, sc0, bar_full, bar_empty, rank, tid - 128 * kGroups);
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(F::kProducerRegs));
+    produce<kMaxTokens, kCluster>(W, w0, act0, sc0, bar_full, bar_empty, rank, tid - 128 * kGroups);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(F::kConsumerRegs));
     const int KT = W.K / kBK;
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     // The lane's ldmatrix row and swizzled offset of step 0 (as in the bf16 kernel) and its first
@@ -248,14 +282,16 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
     uint32_t slot = 0, phase = 0;
     float acc[kMaxTokens / 2];
     wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
-      // This warpgroup's scales in a slot: those of block (n0 + 64 wg) / 128, the first or second
-      // of the CTA's two.
-      const uint32_t blk_t = tok_t + kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
-      by_chunks(tile_width(tile.z) / kChunk, [&](auto chunks) {
+      // This warpgroup's scales in a slot: those of block (n0 + 64 wg) / 128, the first or (192-row
+      // CTAs) second of the CTA's.
+      const uint32_t blk_t =
+          tok_t + F::kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
+      wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
         wsp::group_item<kCh * kChunk, kCluster, kStages>(
             W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
-              consume<kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, a, lane, rank);
+              consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, a, lane,
+                                                 rank);
             });
       });
     });
@@ -267,18 +303,29 @@ __global__ void __launch_bounds__(kThreads, 1) gemm8_wsp_kernel(const __grid_con
 #endif
 }
 
-}  // namespace
-
-std::string run_fp8_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
-  if (g.K % kBK != 0 || g.N % 128 != 0) return "K and N must be multiples of 128";
-  Fp8WspParams W{};
+// One launch of the form with tiles of up to kMaxTokens tokens; an error message, or empty.
+template <int kMaxTokens>
+std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
+  using F = Form<kMaxTokens>;
+  Fp8WspParams<kMaxTokens> W{};
   W.a_scale = g.a_scale;
   W.w_scale = g.w_scale;
   W.R = static_cast<int>(g.R);
-  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g, kBK, kRowsCta);  // e4m3 codes as bytes
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g, kBK, F::kRowsCta);  // e4m3 codes as bytes
   if (e.empty())
-    e = wsp::run(g, W, kRowsCta, gemm8_wsp_kernel<1>, gemm8_wsp_kernel<2>, cluster, kThreads, kSmem, dev, stream,
-                 "gemm8_wsp_kernel");
+    e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm8_wsp_kernel<kMaxTokens, 1>, gemm8_wsp_kernel<kMaxTokens, 2>,
+                 cluster, F::kThreads, F::kSmem, dev, stream, "gemm8_wsp_kernel");
+  return e;
+}
+
+}  // namespace
+
+std::string run_fp8_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster,
+                        int max_tokens) {
+  if (g.K % kBK != 0 || g.N % 128 != 0) return "K and N must be multiples of 128";
+  if (max_tokens != 128 && max_tokens != 256) return "the persistent fp8 kernel takes tiles of 128 or 256 tokens";
+  const std::string e =
+      max_tokens == 256 ? run_form<256>(g, dev, stream, cluster) : run_form<128>(g, dev, stream, cluster);
   if (!e.empty()) return e;
   g_fp8_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();

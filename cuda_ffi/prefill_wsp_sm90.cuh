@@ -1,6 +1,7 @@
 // The pieces shared by our persistent swapped-operand grouped GEMMs (gemm_prefill_sm90_bf16_wsp.cu,
 // gemm_prefill_sm90_fp8_wsp.cu): 64 weight rows per consumer warpgroup on wgmma's A operand, a tile
-// of at most kMaxTokens token rows on B, issued as kChunk-token MMAs. Here: the tile widths and the
+// of at most kMaxTokens token rows on B (the kernel's: 128 or 256), issued as kChunk-token MMAs.
+// Here: the tile widths and the
 // dispatch on a tile's chunk count; the ring's barriers and a consumer warp's release of a slot (in
 // both CTAs of a cluster); the work items' loop; a warpgroup's item past N; the bias and the
 // epilogue of a warpgroup's rows; and the launch (tile list, then the kernel on clusters of one or
@@ -28,27 +29,38 @@ namespace hj {
 namespace prefill {
 namespace wsp {
 
-constexpr int kMaxTokens = 128;                        // token rows per tile
 constexpr int kChunk = 32;                             // tokens per MMA (wgmma's N)
-constexpr int kActMaps = kMaxTokens / 16;              // half-tile boxes of 8, 16, .., 64 rows
+constexpr int kMinTileTokens = 128;                    // the narrowest kernel's kMaxTokens
 constexpr int kPassTokens = 32;                        // tokens per epilogue pass
 constexpr int kStageRow = 64 * 2 + 16;                 // a warpgroup's staging row (bytes)
 constexpr int kStagingBytes = kPassTokens * kStageRow;  // a warpgroup's staging buffer
-static_assert(kMaxTokens % kChunk == 0 && kChunk % 16 == 0 && kChunk <= 64, "chunks");
+static_assert(kChunk % 16 == 0 && kChunk <= 64, "chunks");
+
+// A kernel's activation tensor maps for tiles of up to kMaxTokens rows: half-tile boxes of 8, 16,
+// .., kMaxTokens / 2 rows.
+template <int kMaxTokens>
+constexpr int act_maps() {
+  static_assert(kMaxTokens % kChunk == 0 && kMaxTokens >= kMinTileTokens && kMaxTokens <= 256, "tile width");
+  return kMaxTokens / 16;
+}
 
 // The tile list (tile_list.cuh, in whole chunks): ceil(rows / kMaxTokens) tiles an expert, at most
-// R / kMaxTokens + E of them; the workspace holds the count (128 bytes), then the list.
-inline size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMaxTokens + E + 1); }
+// R / kMinTileTokens + E of them for any of the kernels; the workspace holds the count (128 bytes),
+// then the list.
+inline size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMinTileTokens + E + 1); }
 
 // A tile's width: its rows rounded up to a whole chunk.
-__device__ __forceinline__ int tile_width(int rows) { return min((rows + kChunk - 1) / kChunk * kChunk, kMaxTokens); }
+template <int kMaxTokens>
+__device__ __forceinline__ int tile_width(int rows) {
+  return min((rows + kChunk - 1) / kChunk * kChunk, kMaxTokens);
+}
 
 // f(std::integral_constant<int, n>) for a tile's chunk count n (1 .. kMaxTokens / kChunk).
-template <int kCh = 1, typename F>
+template <int kMaxTokens, int kCh = 1, typename F>
 __device__ __forceinline__ void by_chunks(int chunks, F&& f) {
   if constexpr (kCh < kMaxTokens / kChunk) {
     if (chunks > kCh) {
-      by_chunks<kCh + 1>(chunks, f);
+      by_chunks<kMaxTokens, kCh + 1>(chunks, f);
       return;
     }
   }
@@ -169,8 +181,8 @@ __device__ __forceinline__ void load_bias(const Params& o, int e, int n0w, int t
 // staging row) and stored as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens
 // tid / 8 + 16 k. sync() is the warpgroup's named barrier. o: the kernel's parameters, with c [R, N]
 // bf16 and N (read where used, from the parameter space).
-template <int kWidth, bool kBias, typename Params, typename Sync>
-__device__ __forceinline__ void store(const Params& o, const float (&acc)[kMaxTokens / 2], const float (&b)[2], int row0,
+template <int kWidth, bool kBias, typename Params, typename Sync, int kAcc>
+__device__ __forceinline__ void store(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
                                       int rows, int n0, uint8_t* staging, int tid, Sync sync) {
   const int N = o.N;
   const int warp = tid >> 5, lane = tid & 31;
@@ -212,8 +224,8 @@ __device__ __forceinline__ void store(const Params& o, const float (&acc)[kMaxTo
 
 // The epilogue of consumer warpgroup tid / 128 (its 64 rows from n0w, its staging buffer and named
 // barrier 1 + the group), with the bias b of load_bias or without one.
-template <int kWidth, typename Params>
-__device__ __forceinline__ void store_group(const Params& o, const float (&acc)[kMaxTokens / 2], const float (&b)[2],
+template <int kWidth, typename Params, int kAcc>
+__device__ __forceinline__ void store_group(const Params& o, const float (&acc)[kAcc], const float (&b)[2],
                                             int4 tile, int n0w, uint8_t* staging, int tid) {
   const int wg = tid >> 7, bar_id = 1 + wg;
   auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
@@ -228,11 +240,10 @@ __device__ __forceinline__ void store_group(const Params& o, const float (&acc)[
 // passed through a shuffle, which ptxas takes as warp-uniform and so keeps the stage loops on the
 // uniform datapath); else the bias loaded first, consume(acc) over the item's KT stages, then the
 // epilogue of its rows from n0w.
-template <int kWidth, int kCluster, int kStages, typename Params, typename Consume>
+template <int kWidth, int kCluster, int kStages, typename Params, int kAcc, typename Consume>
 __device__ __forceinline__ void group_item(const Params& W, int4 tile, int n0w, int KT, uint32_t bar_full,
-                                           uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
-                                           float (&acc)[kMaxTokens / 2], uint8_t* staging, int tid, int rank,
-                                           Consume&& consume) {
+                                           uint32_t bar_empty, uint32_t& slot, uint32_t& phase, float (&acc)[kAcc],
+                                           uint8_t* staging, int tid, int rank, Consume&& consume) {
   if (__shfl_sync(0xffffffffu, n0w >= W.N, 0)) {
     skip_item<kCluster, kStages>(KT, bar_full, bar_empty, slot, phase, tid & 31, rank);
     return;
@@ -253,7 +264,7 @@ std::string tensor_maps(Params& W, CUtensorMapDataType type, int elem_bytes, con
   if (!encode_rows_3d(&W.w, type, elem_bytes, g.w, g.K, g.N, g.E, bk, rows_cta, CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
     return "cuTensorMapEncodeTiled failed for the weights";
-  for (int i = 0; i < kActMaps; ++i)
+  for (size_t i = 0; i < sizeof(W.act) / sizeof(W.act[0]); ++i)
     if (!encode_rows_3d(&W.act[i], type, elem_bytes, g.a, g.K, g.R, 1, bk, 8 * (i + 1), CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
       return "cuTensorMapEncodeTiled failed for the activations";
@@ -309,11 +320,12 @@ std::string launch(void (*one)(Params), void (*two)(Params), const Params& param
 
 // A launch's common part: the tile list (the workspace's count, then its entries) and the output's
 // fields of W (tiles, count, c, bias, N, K; the kernel's own fields are the caller's), the tile list
-// kernel (whole chunks; zero rows past the last expert), then the kernel on `items` bounded by the
-// list. An error message, or empty.
+// kernel (tiles of up to max_tokens rows in whole chunks; zero rows past the last expert), then the
+// kernel on `items` bounded by the list. An error message, or empty.
 template <typename Params>
-std::string run(const GroupedArgs& g, Params& W, int rows_cta, void (*one)(Params), void (*two)(Params), int cluster,
-                int threads, int smem, const DeviceInfo& dev, cudaStream_t stream, const char* name) {
+std::string run(const GroupedArgs& g, Params& W, int rows_cta, int max_tokens, void (*one)(Params),
+                void (*two)(Params), int cluster, int threads, int smem, const DeviceInfo& dev, cudaStream_t stream,
+                const char* name) {
   if (g.workspace_bytes < 128 + list_entries(g.R, g.E) * 16) return "workspace too small for the tile list";
   uint8_t* ws = static_cast<uint8_t*>(g.workspace);
   W.count = reinterpret_cast<int*>(ws);
@@ -323,7 +335,7 @@ std::string run(const GroupedArgs& g, Params& W, int rows_cta, void (*one)(Param
   W.N = static_cast<int>(g.N);
   W.K = static_cast<int>(g.K);
   const std::string e =
-      launch_tile_list(g.offsets, g.E, g.R, g.N, kMaxTokens, kChunk, W.tiles, W.count, g.c, dev.sm_count, stream);
+      launch_tile_list(g.offsets, g.E, g.R, g.N, max_tokens, kChunk, W.tiles, W.count, g.c, dev.sm_count, stream);
   if (!e.empty()) return e;
   const int64_t nb = (g.N + rows_cta - 1) / rows_cta, pairs = (nb + cluster - 1) / cluster;
   return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device,

@@ -142,7 +142,7 @@ def main() -> None:
         return
     if "--wsp" in sys.argv:
         # Only the calls of the persistent bf16 and fp8 kernels (for a sanitizer run with
-        # HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP = 1 or 2).
+        # HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP = 1 to 4).
         for scheme, m in itertools.product(("bf16", "w8a8-fp8-block128"), (300, 60)):
             prefill_grouped(scheme, m)
         prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8))

@@ -432,13 +432,18 @@ WSP_CASES = [
     ("bf16", 1024, 4, 16, 264, 136, "tail", True),  # N, K not multiples of the tiles; rows past off[E]
     ("bf16", 2048, 8, 64, 384, 256, "zero_rows", False),  # empty experts
     ("bf16", 256, 8, 128, 512, 256, "uniform", True),  # 16 rows per expert: one-chunk tiles
-    ("w8a8-fp8-block128", 1024, 2, 8, 768, 512, "uniform", True),  # four 192-row blocks
+    # ~1000 rows per expert: 8 tiles of 128 or 4 of 256 (8 chunks), uneven experts.
+    ("bf16", 4000, 2, 8, 384, 192, "uniform", False),
+    ("w8a8-fp8-block128", 1024, 2, 8, 768, 512, "uniform", True),  # four 192-row blocks (six of 128)
     # Three 192-row blocks (the cluster's second CTA past N on the last pair, the last block's
-    # second 128-row scale block past N); K = 3 stages against a 5-stage ring.
+    # second 128-row scale block past N), or four of 128; K = 3 stages against a 5- or 4-stage ring.
     ("w8a8-fp8-block128", 2400, 4, 64, 512, 384, "uniform", False),
     ("w8a8-fp8-block128", 1024, 4, 16, 256, 384, "tail", True),
     ("w8a8-fp8-block128", 2048, 8, 64, 384, 256, "zero_rows", False),
     ("w8a8-fp8-block128", 256, 8, 128, 512, 256, "uniform", True),
+    # ~1000 rows per expert: 8 tiles of 128 or 4 of 256; three 128-row blocks (the cluster's
+    # second CTA past N on the last pair).
+    ("w8a8-fp8-block128", 4000, 2, 8, 384, 256, "uniform", False),
 ]
 _WSP = {  # scheme: the switch, the kernel's launch counter
     "bf16": (gemm_ops.ENV_PREFILL_BF16_WSP, "HjPrefillBf16WspLaunches"),
@@ -446,15 +451,20 @@ _WSP = {  # scheme: the switch, the kernel's launch counter
 }
 
 
+# The switch's values: 1 / 2 tiles of up to 128 tokens (one CTA per SM / clusters of two); 3 / 4
+# tiles of up to 256 tokens.
+_WSP_FORMS = ("1", "2", "3", "4")
+
+
 @requires_prefill
-@pytest.mark.parametrize("cluster", ["1", "2"])
-@pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias", WSP_CASES)
-def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, cluster, scheme, m, k, e, n, kdim, kind,
+@pytest.mark.parametrize("form,scheme,m,k,e,n,kdim,kind,bias",
+                         [(f, *case) for case in WSP_CASES for f in _WSP_FORMS])
+def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, form, scheme, m, k, e, n, kdim, kind,
                                                            bias):
-    """HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP = 1 / 2: our persistent bf16 or fp8 block-scaled
-    kernel (tiles of up to 128 tokens in 32-token MMAs; clusters of two sharing the tokens by
-    multicast) runs, equals the CPU and the CUTLASS kind up to accumulation order, and is
-    deterministic."""
+    """HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP = 1 to 4: our persistent bf16 or fp8 block-scaled
+    kernel (tiles of up to 128 tokens, or 256, in 32-token MMAs; clusters of two
+    sharing the tokens by multicast) runs, equals the CPU and the CUTLASS kind up to accumulation
+    order, and is deterministic."""
     env, counter_name = _WSP[scheme]
     counter = _ffi.launch_counter(counter_name)
     monkeypatch.delenv(env, raising=False)
@@ -464,9 +474,9 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, clu
     with _LaunchCount(counter) as ours:
         cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "prefill")
     assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
-    monkeypatch.setenv(env, cluster)
+    monkeypatch.setenv(env, form)
     with _LaunchCount(counter) as ours:
-        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, cluster {cluster}", "persistent")
+        got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, switch {form}", "persistent")
         again = _run_gemm(GPU, p)
     assert ours.count == 2, "the persistent kernel did not run"
     _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")

@@ -341,9 +341,9 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
 
 
 def test_persistent_kernel_switches_are_checked_when_their_calls_are_traced(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_BF16_WSP and $HUMMING_JAX_PREFILL_FP8_WSP take 0, 1 or 2 (or nothing);
-    any other value fails when a grouped call of their kernel is traced (bf16 weights and
-    activations; fp8 codes on both sides), and not for the other's call."""
+    """$HUMMING_JAX_PREFILL_BF16_WSP and $HUMMING_JAX_PREFILL_FP8_WSP take 0 to 4 (or nothing); any
+    other value fails when a grouped call of their kernel is traced (bf16 weights and activations;
+    fp8 codes on both sides), and not for the other's call."""
     e, n, k, rows = 4, 128, 256, 32
     off = jnp.asarray([0, 8, 16, 24, 32], jnp.int32)
     x16 = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -361,16 +361,17 @@ def test_persistent_kernel_switches_are_checked_when_their_calls_are_traced(rng,
         jax.eval_shape(lambda a, s, off: gemm_ops.gemm_grouped(a, s, w8, None, off, out_dtype=jnp.bfloat16,
                                                                act_group_k=128), a8, s8, off)
 
+    top = 4
     for env, switch, call, other in ((gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.bf16_wsp_switch, bf16_call, fp8_call),
                                      (gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.fp8_wsp_switch, fp8_call, bf16_call)):
         for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_FP8_WSP):
             monkeypatch.delenv(var, raising=False)
         assert switch() is None
-        for good in ("0", "1", "2", " +2"):
+        for good in [str(v) for v in range(top + 1)] + [f" +{top}"]:
             monkeypatch.setenv(env, good)
             assert switch() == int(good)
             call()
-        for bad in ("3", "-1", "yes", "1 ", "0x1"):
+        for bad in (str(top + 1), "-1", "yes", "1 ", "0x1"):
             monkeypatch.setenv(env, bad)
             with pytest.raises(ValueError, match=env):
                 switch()

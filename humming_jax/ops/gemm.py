@@ -374,29 +374,32 @@ def rs4_warp_specialized_switch() -> int | None:
 # Our own persistent kernels instead of the CUTLASS kinds, for A/B timing: the bf16 grouped GEMM
 # with unquantized bf16 weights (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu,
 # $HUMMING_JAX_PREFILL_BF16_WSP) and w8a8-fp8-block128 (gemm_prefill_sm90_fp8_wsp.cu,
-# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens; 0 or
-# unset, never. Their tile list fits in grouped_workspace_bytes. Read when the call is traced, as by
-# the CUDA handler at each call.
+# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens, =3 / =4
+# the same on tiles of up to 256 tokens (two consumer warpgroups); 0 or unset, never. Their tile
+# list fits in grouped_workspace_bytes. Read when the call is traced, as by the CUDA handler at
+# each call.
 ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
 ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
 
 
-def _wsp_switch(name: str) -> int | None:
-    value = _env_int(name, "0, 1 or 2")
-    if value not in (None, 0, 1, 2):
-        raise ValueError(f"{name} = {os.environ[name]!r} is not 0, 1 or 2")
+def _wsp_switch(name: str, top: int) -> int | None:
+    allowed = ", ".join(str(v) for v in range(top)) + f" or {top}"
+    value = _env_int(name, allowed)
+    if value is not None and not 0 <= value <= top:
+        raise ValueError(f"{name} = {os.environ[name]!r} is not {allowed}")
     return value
 
 
 def bf16_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_BF16_WSP as 0, 1 or 2 (off, on, on with clusters of two), None when unset;
-    any other value is an error."""
-    return _wsp_switch(ENV_PREFILL_BF16_WSP)
+    """$HUMMING_JAX_PREFILL_BF16_WSP as 0-4 (off; tiles of up to 128 tokens, one CTA per SM or
+    clusters of two; tiles of up to 256 tokens, the same), None when unset; any other value is an
+    error."""
+    return _wsp_switch(ENV_PREFILL_BF16_WSP, 4)
 
 
 def fp8_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_FP8_WSP as 0, 1 or 2, as bf16_wsp_switch."""
-    return _wsp_switch(ENV_PREFILL_FP8_WSP)
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0-4, as bf16_wsp_switch."""
+    return _wsp_switch(ENV_PREFILL_FP8_WSP, 4)
 
 
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,

@@ -63,25 +63,14 @@ using wsp::release;
 constexpr int kBK = 64;  // k per stage: one 128-byte swizzle row of bf16
 constexpr int kStages = 4;
 
-// A form of the kernel: tiles of up to kMaxTokens token rows.
+// A form of the kernel: tiles of up to kMaxTokens token rows (its warpgroups: wsp::Groups).
 template <int kMaxTokens_>
-struct Form {
-  static constexpr int kMaxTokens = kMaxTokens_;
-  static constexpr int kActMaps = wsp::act_maps<kMaxTokens>();
-  static constexpr int kGroups = kMaxTokens == 256 ? 2 : 3;      // consumer warpgroups
-  static constexpr int kThreads = (kGroups + 1) * 128;            // + the producer warpgroup
-  static constexpr int kRowsCta = 64 * kGroups;                   // weight rows (output columns) per CTA
-  static constexpr int kWBytes = kRowsCta * kBK * 2;              // a stage's weights (one TMA box)
-  static constexpr int kActBytes = kMaxTokens * kBK * 2;          // a stage's tokens
+struct Form : wsp::Groups<kMaxTokens_> {
+  using G = wsp::Groups<kMaxTokens_>;
+  static constexpr int kWBytes = G::kRowsCta * kBK * 2;      // a stage's weights (one TMA box)
+  static constexpr int kActBytes = G::kMaxTokens * kBK * 2;  // a stage's tokens
   static constexpr int kRingBytes = kStages * (kWBytes + kActBytes);
-  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
-  // setmaxnreg only redistributes the launch's registers: 128 a thread at 512 threads, 168 at 384.
-  // Four consumer warpgroups (640 threads, or 544 with a producer warp: the four sub-partitions'
-  // register files take whole warps in turn) launch at 96, and their 112 a thread serializes the
-  // wgmma (C7512).
-  static constexpr int kProducerRegs = kMaxTokens == 256 ? 40 : 32;
-  static constexpr int kConsumerRegs = kMaxTokens == 256 ? 232 : 160;
-  static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
+  static constexpr int kSmem = kRingBytes + G::kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
   static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
 };
 

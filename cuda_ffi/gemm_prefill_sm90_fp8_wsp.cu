@@ -57,33 +57,25 @@ using wsp::release;
 constexpr int kBK = 128;  // k per stage: one 128-byte row of codes, one scale block
 constexpr int kScaleAhead = 2;  // stages between a scale's load and its store (the producer's register ring)
 
-// A form of the kernel: tiles of up to kMaxTokens token rows.
+// A form of the kernel: tiles of up to kMaxTokens token rows (its warpgroups: wsp::Groups).
 template <int kMaxTokens_>
-struct Form {
-  static constexpr int kMaxTokens = kMaxTokens_;
-  static constexpr int kActMaps = wsp::act_maps<kMaxTokens>();
-  static constexpr int kGroups = kMaxTokens == 256 ? 2 : 3;  // consumer warpgroups
-  static constexpr int kThreads = (kGroups + 1) * 128;        // + the producer warpgroup
-  static constexpr int kRowsCta = 64 * kGroups;               // weight rows (output columns) per CTA
-  static constexpr int kWBytes = kRowsCta * kBK;              // a stage's codes (one TMA box)
-  static constexpr int kActBytes = kMaxTokens * kBK;          // a stage's token codes
+struct Form : wsp::Groups<kMaxTokens_> {
+  using G = wsp::Groups<kMaxTokens_>;
+  static constexpr int kWBytes = G::kRowsCta * kBK;      // a stage's codes (one TMA box)
+  static constexpr int kActBytes = G::kMaxTokens * kBK;  // a stage's token codes
   // 128-row weight scale blocks a CTA's rows meet: 192 rows from a multiple of 192, two; 128 rows
   // from a multiple of 128, one.
-  static constexpr int kBlocks = kRowsCta == 128 ? 1 : 2;
-  static constexpr int kTokensPerThread = kMaxTokens / 128;  // token scales a producer thread writes
+  static constexpr int kBlocks = G::kRowsCta == 128 ? 1 : 2;
+  static constexpr int kTokensPerThread = G::kMaxTokens / 128;  // token scales a producer thread writes
   // A scale slot: for each of the CTA's weight blocks, the tile's token scales times the block's
   // scale (the producer multiplies; a consumer reads its warpgroup's block).
-  static constexpr int kBlockScaleBytes = kMaxTokens * 4;
+  static constexpr int kBlockScaleBytes = G::kMaxTokens * 4;
   static constexpr int kScaleBytes = kBlocks * kBlockScaleBytes;
-  static constexpr int kStages = kMaxTokens == 256 ? 4 : 5;
+  static constexpr int kStages = G::kMaxTokens == 256 ? 4 : 5;
   static constexpr int kRingBytes = kStages * (kWBytes + kActBytes + kScaleBytes);
-  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
-  // setmaxnreg from the launch's 128 (512 threads) or 168 (384).
-  static constexpr int kProducerRegs = kMaxTokens == 256 ? 40 : 32;
-  static constexpr int kConsumerRegs = kMaxTokens == 256 ? 232 : 160;
-  static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
+  static constexpr int kSmem = kRingBytes + G::kGroups * kStagingBytes + 1024;  // + the 1024-byte alignment
   static_assert(kSmem <= 227 * 1024 - 256, "shared memory");
-  static_assert(kRowsCta == 128 || kRowsCta == 192, "a CTA's rows meet one or two 128-row scale blocks");
+  static_assert(G::kRowsCta == 128 || G::kRowsCta == 192, "a CTA's rows meet one or two 128-row scale blocks");
 };
 
 // gemm8_wsp_kernel launches by this process (HjPrefillFp8WspLaunches), for the GPU tests.

@@ -44,6 +44,24 @@ constexpr int act_maps() {
   return kMaxTokens / 16;
 }
 
+// The warpgroups of a kernel with tiles of up to kMaxTokens tokens, bf16 or fp8 alike: three
+// consumer warpgroups of 64 weight rows for 128 tokens (64 accumulators a thread), two for 256
+// (128), and a producer warpgroup. setmaxnreg only redistributes the launch's registers: 128 a
+// thread at 512 threads, 168 at 384. Four consumer warpgroups (640 threads, or 544 with a producer
+// warp: the four sub-partitions' register files take whole warps in turn) launch at 96, and their
+// 112 a thread serializes the wgmma (C7512).
+template <int kMaxTokens_>
+struct Groups {
+  static constexpr int kMaxTokens = kMaxTokens_;
+  static constexpr int kActMaps = act_maps<kMaxTokens>();
+  static constexpr int kGroups = kMaxTokens == 256 ? 2 : 3;  // consumer warpgroups
+  static constexpr int kThreads = (kGroups + 1) * 128;        // + the producer warpgroup
+  static constexpr int kRowsCta = 64 * kGroups;               // weight rows (output columns) per CTA
+  static constexpr int kProducerRegs = kMaxTokens == 256 ? 40 : 32;
+  static constexpr int kConsumerRegs = kMaxTokens == 256 ? 232 : 160;
+  static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
+};
+
 // The tile list (tile_list.cuh, in whole chunks): ceil(rows / kMaxTokens) tiles an expert, at most
 // R / kMinTileTokens + E of them for any of the kernels; the workspace holds the count (128 bytes),
 // then the list.

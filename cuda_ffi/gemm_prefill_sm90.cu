@@ -52,17 +52,21 @@ int64_t u4rs_max_rows_per_expert() {
   return n > 0 ? n : 0;
 }
 
-// HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: unset or 0, the bf16 /
-// w8a8-fp8-block128 calls stay on the CUTLASS kinds; 1 / 2, they take Kind::kBf16Wsp /
-// Kind::kFp8Block128Wsp on clusters of one / two CTAs; 3 / 4: the same on tiles of up to 256
-// tokens (A/B timing; humming_jax/ops/gemm.py checks the value when the call is traced). A
-// malformed value reads as 0 here.
+// HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: -1 unset (bf16: the default rule,
+// wsp_form; fp8: the CUTLASS kind); 0, the CUTLASS kinds; 1 / 2, our persistent kernels on
+// clusters of one / two CTAs; 3 / 4: the same on tiles of up to 256 tokens (humming_jax/ops/gemm.py
+// checks the value when the call is traced). A malformed value reads as 0 here.
 int wsp_switch(const char* var, int64_t max) {
-  const int64_t v = env_count(var, 0, 0);
-  return v >= 1 && v <= max ? static_cast<int>(v) : 0;
+  const int64_t v = env_count(var, -1, 0);
+  return v >= -1 && v <= max ? static_cast<int>(v) : 0;
 }
 int bf16_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_BF16_WSP", 4); }
 int fp8_wsp_switch() { return wsp_switch("HUMMING_JAX_PREFILL_FP8_WSP", 4); }
+
+WspForm switch_form(int v) {
+  if (v < 1 || v > 4) return WspForm{};
+  return WspForm{v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128};
+}
 
 // HUMMING_JAX_PREFILL_TILE=64 or 128 (or 256, the mixed-input kinds only): the tile height
 // regardless of rows per expert (0: by shape).
@@ -75,6 +79,16 @@ int tile_rows_from_env() {
   return 0;
 }
 }  // namespace
+
+WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K) {
+  if (kind == Kind::kFp8Block128Wsp) return switch_form(fp8_wsp_switch());
+  if (kind != Kind::kBf16Wsp || E <= 0) return WspForm{};
+  const int v = bf16_wsp_switch();
+  if (v >= 0) return switch_form(v);
+  const int64_t rows = R / E;  // expected rows per expert, from shapes only
+  if (rows >= kBf16WspMaxRowsPerExpert) return WspForm{};
+  return WspForm{rows >= kWspClusterRowsPerExpert || N * K >= kWspWideWeights ? 2 : 1, 256};
+}
 
 Kind narrow_kind(Kind k) {
   switch (k) {
@@ -193,10 +207,9 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   if (w.type == WeightType::kFloat) {
     if (p.a.quantized() || w.data_type != p.a.type || p.c_type != p.a.type) return Kind::kNone;
     if (p.a.type == ElemType::kBF16) {
-      // Our persistent kernel where the switch selects it (the call then fails, naming what is
-      // missing, without the driver's tensor-map encoder or past the workspace bound, some 2 M rows).
-      if (bf16_wsp_switch() > 0) return Kind::kBf16Wsp;
-      return Kind::kBf16;
+      // Our persistent kernel by its rule or its switch (its tile list within the workspace bound
+      // wherever the rule picks it: prefill_wsp_sm90.cuh).
+      return wsp_form(Kind::kBf16Wsp, R, E, N, K).cluster > 0 ? Kind::kBf16Wsp : Kind::kBf16;
     }
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
@@ -290,14 +303,12 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16N256: err = run_u4_bf16_n256(a, dev, stream); break;
     case Kind::kFp4Bf16:
     case Kind::kU4Bf16Rs: err = run_rs4(a, dev, stream); break;
-    case Kind::kBf16Wsp: {
-      const int v = bf16_wsp_switch();  // 1, 2: tiles of 128 tokens; 3, 4: of 256; even: clusters of two
-      err = run_bf16_wsp(a, dev, stream, v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128);
-      break;
-    }
+    case Kind::kBf16Wsp:
     case Kind::kFp8Block128Wsp: {
-      const int v = fp8_wsp_switch();  // as the bf16 switch
-      err = run_fp8_wsp(a, dev, stream, v % 2 == 0 ? 2 : 1, v >= 3 ? 256 : 128);
+      const WspForm f = wsp_form(args.kind, args.R, args.E, args.N, args.K);
+      err = f.cluster == 0 ? std::string("no form of the persistent kernel for this call")
+            : args.kind == Kind::kBf16Wsp ? run_bf16_wsp(a, dev, stream, f.cluster, f.max_tokens)
+                                          : run_fp8_wsp(a, dev, stream, f.cluster, f.max_tokens);
       break;
     }
     default: return invalid(call, "no prefill kernel for this problem");

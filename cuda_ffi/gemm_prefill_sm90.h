@@ -124,6 +124,29 @@ bool current_device(DeviceInfo* info);
 
 // One grouped problem: rows [off[e], off[e+1]) of a (clamped monotone into [0, R], expert 0 from
 // row 0, as on the CPU) use expert e; rows from the last offset to R become zeros.
+// Our persistent kernels' form: clusters of one or two CTAs (cluster 0: not ours, the CUTLASS kind)
+// and tiles of up to 128 or 256 tokens.
+struct WspForm {
+  int cluster = 0;
+  int max_tokens = 0;
+};
+
+// Unquantized bf16 grouped calls run on our persistent kernel by default (HUMMING_JAX_PREFILL_BF16_WSP
+// unset), on tiles of up to 256 tokens, below kBf16WspMaxRowsPerExpert rows per expert on average;
+// on clusters of two CTAs from kWspClusterRowsPerExpert rows per expert or from kWspWideWeights
+// weight elements (N x K) an expert, where sharing the tokens pays for the cluster's coupling.
+// Measured on the H100 (benchmarks/NOTES.md, v14): 1.04-1.28x the CUTLASS kind at 32-1024 rows per
+// expert on the four benchmark shapes; 0.96-0.97x at 2048 and 0.94-0.96x at 4096 (mixtral,
+// deepseek), so the CUTLASS kind from 2048.
+constexpr int64_t kBf16WspMaxRowsPerExpert = 2048;
+constexpr int64_t kWspClusterRowsPerExpert = 512;
+constexpr int64_t kWspWideWeights = int64_t{64} << 20;
+
+// The form of the persistent kernel for the grouped call of `kind` (kBf16Wsp, kFp8Block128Wsp) of R
+// rows over E experts of N x K: the switch's where it is set (HUMMING_JAX_PREFILL_BF16_WSP /
+// _FP8_WSP, 1 to 4), else bf16's rule above; fp8 takes ours only by its switch.
+WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K);
+
 struct GroupedArgs {
   Kind kind = Kind::kNone;
   const void* a = nullptr;         // [R, K] 16-bit values or fp8 codes

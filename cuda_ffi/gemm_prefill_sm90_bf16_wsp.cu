@@ -88,6 +88,7 @@ struct WspParams {
   int4* tiles;        // (expert, first row, rows, 0)
   int* count;         // tiles in the list
   int N, K;
+  int group;  // tiles per group of the work items' order (wsp::for_items)
 };
 
 // The producer (one thread): for each of this cluster's items, its KT stages into the ring; slot

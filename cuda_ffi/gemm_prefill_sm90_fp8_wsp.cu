@@ -93,6 +93,7 @@ struct Fp8WspParams {
   int4* tiles;           // (expert, first row, rows, 0)
   int* count;            // tiles in the list
   int N, K, R;
+  int group;             // tiles per group of the work items' order (wsp::for_items)
 };
 
 __device__ __forceinline__ void sts32(uint32_t a, float v) {

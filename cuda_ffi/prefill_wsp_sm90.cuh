@@ -66,6 +66,16 @@ struct Groups {
 // R / kMinTileTokens + E of them for any of the kernels; the workspace holds the count (128 bytes),
 // then the list.
 inline size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMinTileTokens + E + 1); }
+// Where bf16's default rule picks our kernel (R < kBf16WspMaxRowsPerExpert * E) the list and its
+// slack fit the workspace bound kWorkspaceBase + kWorkspacePerExpert * E for every E up to
+// kMaxExperts (both sides linear in E: its ends suffice), so the rule never meets a workspace
+// too small for it; a switch may (some 2 M rows), and that call then fails, saying so.
+constexpr int64_t rule_list_bytes(int64_t E) {
+  return 256 + (kBf16WspMaxRowsPerExpert * E / kMinTileTokens + E + 1) * 16;
+}
+static_assert(rule_list_bytes(1) <= static_cast<int64_t>(kWorkspaceBase + kWorkspacePerExpert) &&
+                  rule_list_bytes(kMaxExperts) <= static_cast<int64_t>(kWorkspaceBase + kWorkspacePerExpert * kMaxExperts),
+              "bf16's default rule must fit its tile list in the workspace bound");
 
 // A tile's width: its rows rounded up to a whole chunk.
 template <int kMaxTokens>
@@ -107,11 +117,16 @@ __device__ __forceinline__ void init_ring(uint32_t bar_full, uint32_t bar_empty,
 // Tiles per group of the work items' order: within a group the items run weight block by weight
 // block, so the CTAs running at once share each block's weights among the group's tiles (a
 // tile-major order has every CTA streaming its own block: an expert's weights read from HBM once
-// per tile).
+// per tile). HUMMING_JAX_PREFILL_WSP_GROUP=<n> (1 to kMaxTileGroup) replaces it, for timing.
 constexpr int kTileGroup = 8;
+constexpr int kMaxTileGroup = 1024;
+inline int tile_group() {
+  const int64_t n = env_count("HUMMING_JAX_PREFILL_WSP_GROUP", kTileGroup, kTileGroup);
+  return n >= 1 && n <= kMaxTileGroup ? static_cast<int>(n) : kTileGroup;
+}
 
 // f(tile, n0) for each of this CTA's work items, in order: item i for i = its cluster's index,
-// + clusters, ..; items run in groups of kTileGroup tile-list entries (fewer in the last), pair
+// + clusters, ..; items run in groups of W.group tile-list entries (fewer in the last), pair
 // of kRowsCta-row weight blocks by pair, each pair over the group's tiles; the CTA takes the
 // pair's block of its rank.
 template <int kCluster, int kRowsCta, typename Params, typename F>
@@ -119,9 +134,9 @@ __device__ __forceinline__ void for_items(const Params& W, int rank, F&& f) {
   const int nb = (W.N + kRowsCta - 1) / kRowsCta, pairs = (nb + kCluster - 1) / kCluster;
   const int tiles = __ldg(W.count), items = tiles * pairs, clusters = static_cast<int>(gridDim.x) / kCluster;
   for (int i = static_cast<int>(blockIdx.x) / kCluster; i < items; i += clusters) {
-    const int g = i / (kTileGroup * pairs), j = i - g * kTileGroup * pairs;
-    const int in_group = min(kTileGroup, tiles - g * kTileGroup);
-    f(W.tiles[g * kTileGroup + j % in_group], ((j / in_group) * kCluster + rank) * kRowsCta);
+    const int g = i / (W.group * pairs), j = i - g * W.group * pairs;
+    const int in_group = min(W.group, tiles - g * W.group);
+    f(W.tiles[g * W.group + j % in_group], ((j / in_group) * kCluster + rank) * kRowsCta);
   }
 }
 
@@ -352,6 +367,7 @@ std::string run(const GroupedArgs& g, Params& W, int rows_cta, int max_tokens, v
   W.c = static_cast<__nv_bfloat16*>(g.c);
   W.N = static_cast<int>(g.N);
   W.K = static_cast<int>(g.K);
+  W.group = tile_group();
   const std::string e =
       launch_tile_list(g.offsets, g.E, g.R, g.N, max_tokens, kChunk, W.tiles, W.count, g.c, dev.sm_count, stream);
   if (!e.empty()) return e;

@@ -467,13 +467,13 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
     order, and is deterministic."""
     env, counter_name = _WSP[scheme]
     counter = _ffi.launch_counter(counter_name)
-    monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(env, "0")
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias)
     what = f"{scheme} {kind} M={m} top-{k} E={e} N={n} K={kdim} bias={bias}"
     with _LaunchCount(counter) as ours:
         cutlass, _ = _prefill_once_matches_cpu(p, what + " (CUTLASS)", "prefill")
-    assert ours.count == 0, "unset, the switch must leave the call to the CUTLASS kind"
+    assert ours.count == 0, "at 0, the switch must leave the call to the CUTLASS kind"
     monkeypatch.setenv(env, form)
     with _LaunchCount(counter) as ours:
         got, _ = _prefill_once_matches_cpu(p, f"{what} persistent, switch {form}", "persistent")
@@ -481,6 +481,29 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
     assert ours.count == 2, "the persistent kernel did not run"
     _assert_close(got, cutlass, jnp.bfloat16, what + " against the CUTLASS kind")
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
+
+
+@requires_prefill
+@pytest.mark.parametrize("m,k,e,n,kdim,ours_expected", [
+    (1024, 2, 8, 384, 256, True),  # 256 rows per expert: tiles of 256 tokens, one CTA per SM
+    (2048, 4, 8, 384, 256, True),  # 1024 rows per expert: clusters of two
+    (4096, 4, 8, 384, 256, False),  # 2048 rows per expert: the CUTLASS kind
+])
+def test_bf16_prefill_default_rule(rng, monkeypatch, m, k, e, n, kdim, ours_expected):
+    """$HUMMING_JAX_PREFILL_BF16_WSP unset: bf16 grouped calls take our persistent kernel below
+    2048 rows per expert on average and the CUTLASS kind from there (cuda_ffi/gemm_prefill_sm90.h,
+    wsp_form), equal to the CPU either way; w8a8-fp8-block128 keeps the CUTLASS kind."""
+    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
+        monkeypatch.delenv(var, raising=False)
+    p = _gemm_inputs(rng, "bf16", m, k, e, n, kdim, "uniform", bias=True)
+    what = f"bf16 M={m} top-{k} E={e}"
+    with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+        _prefill_once_matches_cpu(p, what, "prefill")
+    assert ours.count == (1 if ours_expected else 0), f"{what}: the default rule picked the other kernel"
+    p8 = _gemm_inputs(rng, "w8a8-fp8-block128", 1024, 2, 8, 384, 256, "uniform")
+    with _LaunchCount(_ffi.launch_counter("HjPrefillFp8WspLaunches")) as ours:
+        _prefill_once_matches_cpu(p8, "w8a8-fp8-block128 M=1024", "prefill")
+    assert ours.count == 0, "unset, the fp8 switch must leave the call to the CUTLASS kind"
 
 
 # Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of
@@ -612,6 +635,7 @@ def test_prefill_tile_heights_agree(rng, monkeypatch, scheme, tile):
     """HUMMING_JAX_PREFILL_TILE forces one tile height: 64-row tiles on 512 rows per expert (eight
     tiles each, uneven last ones), 128- and 256-row tiles on 48 rows per expert, all as on the CPU."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, "0")  # the tile heights are the CUTLASS kinds'
     monkeypatch.setenv("HUMMING_JAX_PREFILL_TILE", tile)
     m = 1024 if tile == "64" else 96
     p = _gemm_inputs(rng, scheme, m, 8, 16, 384, 256, "uniform", bias=True)
@@ -632,12 +656,19 @@ def test_prefill_is_deterministic(rng, scheme, m):
 
 
 @requires_prefill
-def test_prefill_rejects_a_too_small_workspace(rng):
+# $HUMMING_JAX_PREFILL_BF16_WSP, workspace bytes, the kind named: the CUTLASS kind (its scheduler's
+# scratch), our persistent kernel by its switch and by the default rule (its tile list, 656 bytes).
+@pytest.mark.parametrize("switch,ws,kind", [("0", 1024, "bf16"), ("3", 512, "bf16-wsp"), (None, 512, "bf16-wsp")])
+def test_prefill_rejects_a_too_small_workspace(rng, monkeypatch, switch, ws, kind):
+    if switch is None:
+        monkeypatch.delenv(gemm_ops.ENV_PREFILL_BF16_WSP, raising=False)
+    else:
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, switch)
     p = _gemm_inputs(rng, "bf16", 1024, 2, 8, 256, 256, "uniform")
     ops, attrs = gemm_ops._operands(p["a"], None, p["w"], None, 0)
-    shapes = (jax.ShapeDtypeStruct((p["a"].shape[0], 256), jnp.bfloat16), jax.ShapeDtypeStruct((1024,), jnp.uint8))
+    shapes = (jax.ShapeDtypeStruct((p["a"].shape[0], 256), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8))
     f = jax.jit(lambda *ops: _ffi.call("gemm_grouped", shapes, *ops, **attrs))
-    with pytest.raises(Exception, match=r"prefill kernel needs \d+"):
+    with pytest.raises(Exception, match=rf"the {kind} prefill kernel needs \d+"):
         jax.block_until_ready(f(*ops, p["off"]))
 
 

@@ -371,13 +371,15 @@ def rs4_warp_specialized_switch() -> int | None:
     return value
 
 
-# Our own persistent kernels instead of the CUTLASS kinds, for A/B timing: the bf16 grouped GEMM
-# with unquantized bf16 weights (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu,
-# $HUMMING_JAX_PREFILL_BF16_WSP) and w8a8-fp8-block128 (gemm_prefill_sm90_fp8_wsp.cu,
-# $HUMMING_JAX_PREFILL_FP8_WSP); =1 one CTA per SM, =2 clusters of two sharing the tokens, =3 / =4
-# the same on tiles of up to 256 tokens (two consumer warpgroups); 0 or unset, never. Their tile
-# list fits in grouped_workspace_bytes. Read when the call is traced, as by the CUDA handler at
-# each call.
+# Our own persistent kernels (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu, gemm_prefill_sm90_fp8_wsp.cu):
+# the bf16 grouped GEMM with unquantized bf16 weights takes its kernel by default, on tiles of up to
+# 256 tokens, below 2048 rows per expert on average, on clusters of two CTAs from 512 rows per expert
+# or 64 Mi weight elements an expert (cuda_ffi/gemm_prefill_sm90.h, wsp_form); w8a8-fp8-block128
+# stays on the CUTLASS kind unless its switch is set. The switches $HUMMING_JAX_PREFILL_BF16_WSP and
+# $HUMMING_JAX_PREFILL_FP8_WSP fix the form: =1 one CTA per SM, =2 clusters of two sharing the
+# tokens, =3 / =4 the same on tiles of up to 256 tokens (two consumer warpgroups); =0 the CUTLASS
+# kind. Their tile list fits in grouped_workspace_bytes wherever bf16's rule picks them, and up to
+# some 2 M rows by a switch. Read when the call is traced, as by the CUDA handler at each call.
 ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
 ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
 
@@ -391,14 +393,14 @@ def _wsp_switch(name: str, top: int) -> int | None:
 
 
 def bf16_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_BF16_WSP as 0-4 (off; tiles of up to 128 tokens, one CTA per SM or
-    clusters of two; tiles of up to 256 tokens, the same), None when unset; any other value is an
-    error."""
+    """$HUMMING_JAX_PREFILL_BF16_WSP as 0-4 (the CUTLASS kind; tiles of up to 128 tokens, one CTA
+    per SM or clusters of two; tiles of up to 256 tokens, the same), None when unset (the default
+    rule); any other value is an error."""
     return _wsp_switch(ENV_PREFILL_BF16_WSP, 4)
 
 
 def fp8_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_FP8_WSP as 0-4, as bf16_wsp_switch."""
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0-4, as bf16_wsp_switch; unset, the CUTLASS kind."""
     return _wsp_switch(ENV_PREFILL_FP8_WSP, 4)
 
 

@@ -122,8 +122,6 @@ struct DeviceInfo {
 };
 bool current_device(DeviceInfo* info);
 
-// One grouped problem: rows [off[e], off[e+1]) of a (clamped monotone into [0, R], expert 0 from
-// row 0, as on the CPU) use expert e; rows from the last offset to R become zeros.
 // Our persistent kernels' form: clusters of one or two CTAs (cluster 0: not ours, the CUTLASS kind)
 // and tiles of up to 128 or 256 tokens.
 struct WspForm {
@@ -147,6 +145,8 @@ constexpr int64_t kWspWideWeights = int64_t{64} << 20;
 // _FP8_WSP, 1 to 4), else bf16's rule above; fp8 takes ours only by its switch.
 WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K);
 
+// One grouped problem: rows [off[e], off[e+1]) of a (clamped monotone into [0, R], expert 0 from
+// row 0, as on the CPU) use expert e; rows from the last offset to R become zeros.
 struct GroupedArgs {
   Kind kind = Kind::kNone;
   const void* a = nullptr;         // [R, K] 16-bit values or fp8 codes

@@ -232,10 +232,7 @@ std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t s
 
 }  // namespace
 
-size_t wsp_workspace_bytes(int64_t R, int64_t E) {
-  // The count, the list, and the slack run_grouped spends on aligning the base.
-  return 128 + 128 + wsp::list_entries(R, E) * 16;
-}
+size_t wsp_workspace_bytes(int64_t R, int64_t E) { return wsp::list_workspace_bytes(R, E); }
 
 std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster,
                          int max_tokens) {

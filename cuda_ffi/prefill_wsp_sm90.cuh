@@ -65,16 +65,17 @@ struct Groups {
 // The tile list (tile_list.cuh, in whole chunks): ceil(rows / kMaxTokens) tiles an expert, at most
 // R / kMinTileTokens + E of them for any of the kernels; the workspace holds the count (128 bytes),
 // then the list.
-inline size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMinTileTokens + E + 1); }
-// Where bf16's default rule picks our kernel (R < kBf16WspMaxRowsPerExpert * E) the list and its
-// slack fit the workspace bound kWorkspaceBase + kWorkspacePerExpert * E for every E up to
-// kMaxExperts (both sides linear in E: its ends suffice), so the rule never meets a workspace
-// too small for it; a switch may (some 2 M rows), and that call then fails, saying so.
-constexpr int64_t rule_list_bytes(int64_t E) {
-  return 256 + (kBf16WspMaxRowsPerExpert * E / kMinTileTokens + E + 1) * 16;
-}
-static_assert(rule_list_bytes(1) <= static_cast<int64_t>(kWorkspaceBase + kWorkspacePerExpert) &&
-                  rule_list_bytes(kMaxExperts) <= static_cast<int64_t>(kWorkspaceBase + kWorkspacePerExpert * kMaxExperts),
+constexpr size_t list_entries(int64_t R, int64_t E) { return static_cast<size_t>(R / kMinTileTokens + E + 1); }
+// A launch's workspace: the count, the list, and the slack run_grouped spends on aligning the base
+// (wsp_workspace_bytes).
+constexpr size_t list_workspace_bytes(int64_t R, int64_t E) { return 128 + 128 + list_entries(R, E) * 16; }
+// Where bf16's default rule picks our kernel (R < kBf16WspMaxRowsPerExpert * E) that fits the
+// workspace bound kWorkspaceBase + kWorkspacePerExpert * E for every E up to kMaxExperts (both
+// sides linear in E: its ends suffice), so the rule never meets a workspace too small for it; a
+// switch may (some 2 M rows), and that call then fails, saying so.
+static_assert(list_workspace_bytes(kBf16WspMaxRowsPerExpert, 1) <= kWorkspaceBase + kWorkspacePerExpert &&
+                  list_workspace_bytes(kBf16WspMaxRowsPerExpert * kMaxExperts, kMaxExperts) <=
+                      kWorkspaceBase + kWorkspacePerExpert * kMaxExperts,
               "bf16's default rule must fit its tile list in the workspace bound");
 
 // A tile's width: its rows rounded up to a whole chunk.

@@ -492,14 +492,22 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
 def test_bf16_prefill_default_rule(rng, monkeypatch, m, k, e, n, kdim, ours_expected):
     """$HUMMING_JAX_PREFILL_BF16_WSP unset: bf16 grouped calls take our persistent kernel below
     2048 rows per expert on average and the CUTLASS kind from there (cuda_ffi/gemm_prefill_sm90.h,
-    wsp_form), equal to the CPU either way; w8a8-fp8-block128 keeps the CUTLASS kind."""
-    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
+    wsp_form), equal to the CPU either way."""
+    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
         monkeypatch.delenv(var, raising=False)
     p = _gemm_inputs(rng, "bf16", m, k, e, n, kdim, "uniform", bias=True)
     what = f"bf16 M={m} top-{k} E={e}"
     with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
         _prefill_once_matches_cpu(p, what, "prefill")
     assert ours.count == (1 if ours_expected else 0), f"{what}: the default rule picked the other kernel"
+
+
+@requires_prefill
+def test_fp8_prefill_default_is_the_cutlass_kind(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_FP8_WSP unset: w8a8-fp8-block128 grouped calls keep the CUTLASS kind,
+    equal to the CPU."""
+    for var in (gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
+        monkeypatch.delenv(var, raising=False)
     p8 = _gemm_inputs(rng, "w8a8-fp8-block128", 1024, 2, 8, 384, 256, "uniform")
     with _LaunchCount(_ffi.launch_counter("HjPrefillFp8WspLaunches")) as ours:
         _prefill_once_matches_cpu(p8, "w8a8-fp8-block128 M=1024", "prefill")

@@ -145,10 +145,14 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
 #pragma unroll
       for (int r = 0; r < 4; ++r) fence_reg(frag[B][r]);
       wgmma_fence();
-#pragma unroll
-      for (int c = 0; c < kCh; ++c)
-        Mma<kChunk>::run(reinterpret_cast<float(&)[kChunk / 2]>(acc[c * kChunk / 2]), frag[B],
-                         smem_desc(dlo + c * (kChunk * kBK * 2 / 16) + 2 * j), kt > 0 || j > 0);
+      // The 256-token form's chunks in MMAs of up to kPer chunks (Mma<N> goes to N = 128): one or
+      // two instructions a k16 step instead of kCh (the 128-token form: ptxas serializes them).
+      constexpr int kPer = kMaxTokens == 256 ? 128 / kChunk : 1;
+      wsp::static_for<(kCh + kPer - 1) / kPer>([&](auto q) {
+        constexpr int c0 = decltype(q)::value * kPer, n = kCh - c0 < kPer ? kCh - c0 : kPer;
+        Mma<n * kChunk>::run(reinterpret_cast<float(&)[n * kChunk / 2]>(acc[c0 * kChunk / 2]), frag[B],
+                             smem_desc(dlo + c0 * (kChunk * kBK * 2 / 16) + 2 * j), kt > 0 || j > 0);
+      });
       wgmma_commit();
       wgmma_wait<1>();  // step j - 1's MMAs are done: its fragment and, at j = 0, the previous slot are free
 #pragma unroll

@@ -390,3 +390,10 @@ def test_readme_table_reads_its_sources_from_the_section(tmp_path):
         rt.main(["--readme", str(readme), "--check"])
     with pytest.raises(SystemExit, match="one or the other"):
         rt.main(["--all", "x.json", "--readme", str(readme)])
+
+
+def test_the_readme_performance_section_is_current():
+    """README.md's performance section is what readme_table.py builds from the runs it names."""
+    import readme_table as rt
+
+    assert rt.main(["--check"]) == 0, "run: python benchmarks/readme_table.py"

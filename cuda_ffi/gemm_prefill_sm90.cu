@@ -191,7 +191,7 @@ bool u4rs_fits(const GemmProblem& p, int64_t R) {
          R < u4rs_max_rows_per_expert() * p.w.E && (R + 63) / 64 + p.w.E + 1 <= 65535;
 }
 
-Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
+Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4, WspForm* form) {
   const WeightView& w = p.w;
   const int64_t E = w.E, N = p.N, K = p.K;
   if (!dev.sm90 || dev.sm_count <= 0) return Kind::kNone;
@@ -209,7 +209,8 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
     if (p.a.type == ElemType::kBF16) {
       // Our persistent kernel by its rule or its switch (its tile list within the workspace bound
       // wherever the rule picks it: prefill_wsp_sm90.cuh).
-      return wsp_form(Kind::kBf16Wsp, R, E, N, K).cluster > 0 ? Kind::kBf16Wsp : Kind::kBf16;
+      *form = wsp_form(Kind::kBf16Wsp, R, E, N, K);
+      return form->cluster > 0 ? Kind::kBf16Wsp : Kind::kBf16;
     }
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
@@ -226,14 +227,18 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   // activation scales, whole blocks only, bf16 out.
   if (w.type == WeightType::kFp8E4M3 && p.a.type == ElemType::kE4M3 && p.c_type == ElemType::kBF16 &&
       w.scale_type == ElemType::kF32 && w.zero == nullptr && w.scale2 == nullptr && w.group_n == 128 &&
-      w.group_k == 128 && p.a.group_k == 128 && N % 128 == 0 && K % 128 == 0 && p.a.scale != nullptr)
-    return fp8_wsp_switch() > 0 ? Kind::kFp8Block128Wsp : Kind::kFp8Block128;
+      w.group_k == 128 && p.a.group_k == 128 && N % 128 == 0 && K % 128 == 0 && p.a.scale != nullptr) {
+    *form = wsp_form(Kind::kFp8Block128Wsp, R, E, N, K);
+    return form->cluster > 0 ? Kind::kFp8Block128Wsp : Kind::kFp8Block128;
+  }
   return Kind::kNone;
 }
 }  // namespace
 
-Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4) {
-  const Kind wide = choose_wide(p, R, dev, allow_rs4);
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4, WspForm* form) {
+  WspForm f;
+  const Kind wide = choose_wide(p, R, dev, allow_rs4, &f);
+  if (form != nullptr) *form = wide == Kind::kBf16Wsp || wide == Kind::kFp8Block128Wsp ? f : WspForm{};
   if (wide == Kind::kNone) return wide;
   if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs || wide == Kind::kBf16Wsp || wide == Kind::kFp8Block128Wsp)
     return wide;  // tile widths follow each tile's rows
@@ -305,8 +310,8 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
     case Kind::kU4Bf16Rs: err = run_rs4(a, dev, stream); break;
     case Kind::kBf16Wsp:
     case Kind::kFp8Block128Wsp: {
-      const WspForm f = wsp_form(args.kind, args.R, args.E, args.N, args.K);
-      err = f.cluster == 0 ? std::string("no form of the persistent kernel for this call")
+      const WspForm& f = args.form;
+      err = f.cluster == 0 ? std::string("the call carries no form of the persistent kernel")
             : args.kind == Kind::kBf16Wsp ? run_bf16_wsp(a, dev, stream, f.cluster, f.max_tokens)
                                           : run_fp8_wsp(a, dev, stream, f.cluster, f.max_tokens);
       break;
@@ -359,13 +364,14 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (disabled_by_env()) return Error::Success();
   DeviceInfo dev;
   if (!current_device(&dev)) return Error::Success();
-  Kind kind = choose(p, R, dev);
+  WspForm form;
+  Kind kind = choose(p, R, dev, /*allow_rs4=*/true, &form);
   if (kind == Kind::kNone) return Error::Success();
   // A workspace without room for the permuted activations of our 4-bit mainloop was sized for
   // another path (the call was traced with HUMMING_JAX_PREFILL_FP4=0 or HUMMING_JAX_PREFILL_U4RS=0):
   // that path then (for mxfp4 the dequantizing one, for uint4 the CUTLASS mixed-input kinds).
   if (is_rs4(kind) && ws_bytes < rs4_workspace_bytes(R, p.K, p.w.E))
-    kind = kind == Kind::kU4Bf16Rs ? choose(p, R, dev, /*allow_rs4=*/false) : Kind::kBf16;
+    kind = kind == Kind::kU4Bf16Rs ? choose(p, R, dev, /*allow_rs4=*/false, &form) : Kind::kBf16;
   // Likewise a workspace without room for the transposed scales was sized for the dequantizing path
   // (traced with HUMMING_JAX_PREFILL_MIXED=0).
   if (wide_kind(kind) == Kind::kU4Bf16 &&
@@ -373,6 +379,7 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
     kind = Kind::kBf16;
   GroupedArgs g;
   g.kind = kind;
+  g.form = form;
   g.a = p.a.data;
   g.a_scale = p.a.scale;
   g.w = p.w.data;

@@ -149,6 +149,7 @@ WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K);
 // row 0, as on the CPU) use expert e; rows from the last offset to R become zeros.
 struct GroupedArgs {
   Kind kind = Kind::kNone;
+  WspForm form;                    // kBf16Wsp, kFp8Block128Wsp: the form choose() picked
   const void* a = nullptr;         // [R, K] 16-bit values or fp8 codes
   const float* a_scale = nullptr;  // fp8: [R, K / 128]
   const void* w = nullptr;         // [E, N, K] (uint4: [E, N, K / 2] bytes)
@@ -174,7 +175,10 @@ struct GroupedArgs {
 // kind: they are dequantized into the workspace a chunk of experts at a time (dequantize_experts)
 // first.
 // allow_rs4 = false: as if our 4-bit mainloop's kinds (kFp4Bf16, kU4Bf16Rs) did not exist.
-Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4 = true);
+// form (optional): set to the persistent kernel's form where the kind is one of ours (kBf16Wsp,
+// kFp8Block128Wsp), else to no form; the switches are read once, here.
+Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4 = true,
+            WspForm* form = nullptr);
 
 // Workspace bytes a kind needs for E experts on a device with sm_count SMs, including the slack
 // for aligning the base (<= the bound kWorkspaceBase + kWorkspacePerExpert * E).

@@ -56,11 +56,18 @@ def files_in_readme(text: str, root: Path) -> list[tuple[Path, tuple[str, ...]]]
             for m in _SOURCE.finditer(head)]
 
 
+# Peers measured once per run at bf16 and compared with every format of that run (report.Index.peer).
+RUN_PEERS = ("torch_grouped_mm", "ragged_dot")
+
+
 def load_without(path: Path, drop: tuple[str, ...]) -> dict:
-    """A result file without the rows (and targets' inputs) of the formats in ``drop``."""
+    """A result file without our rows and humming-kernels' rows (and the targets' inputs) of the
+    formats in ``drop``. The run's bf16 peers stay: they are the same-run reference of its other
+    formats (a w4a16 row's torch ratio is against that run's torch bf16 row)."""
     data = report.load(path)
     if drop:
-        data = {**data, "rows": [r for r in data.get("rows", []) if r.get("format") not in drop]}
+        data = {**data, "rows": [r for r in data.get("rows", [])
+                                 if r.get("format") not in drop or r.get("system") in RUN_PEERS]}
         data.pop("targets", None)
     return data
 

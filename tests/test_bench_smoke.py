@@ -397,3 +397,31 @@ def test_the_readme_performance_section_is_current():
     import readme_table as rt
 
     assert rt.main(["--check"]) == 0, "run: python benchmarks/readme_table.py"
+
+
+def test_readme_table_leaving_a_format_out_keeps_the_runs_bf16_peers(tmp_path):
+    """FILE:-bf16 drops our bf16 rows and humming-kernels' but keeps torch's and ragged_dot's: a
+    quantized row of that run is still compared with the torch bf16 row measured beside it."""
+    import readme_table as rt
+
+    rng = np.random.default_rng()
+    t_ours, t_torch, t_rd = rng.uniform(0.5, 2.0, 3)
+
+    def row(system, fmt, part, ms):
+        return {"system": system, "format": fmt, "shape": "tiny", "M": 16, "part": part, "median_ms": ms,
+                "bytes": 1000, "flops": 10}
+
+    rows = [row(s, f, p, ms) for s, f, ms in (("humming_jax", "w4a16-int4-g128", t_ours),
+                                              ("humming_jax", "bf16", t_ours * 2),
+                                              ("humming_kernels", "bf16", t_ours * 3),
+                                              ("torch_grouped_mm", "bf16", t_torch),
+                                              ("ragged_dot", "bf16", t_rd)) for p in ("layer", "gemms")]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"harness": "bench_moe", "rows": rows}))
+    data = rt.load_without(path, ("bf16",))
+    left = {(r["system"], r["format"]) for r in data["rows"]}
+    assert left == {("humming_jax", "w4a16-int4-g128"), ("torch_grouped_mm", "bf16"), ("ragged_dot", "bf16")}
+    table = report.markdown_table([("run", data)])
+    assert "| tiny | bf16 |" not in table
+    line = next(l for l in table.splitlines() if "| tiny | w4a16-int4-g128 |" in l)
+    assert f"{t_torch / t_ours:.2f}×" in line and f"{t_rd / t_ours:.2f}×" in line

@@ -484,6 +484,31 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
 
 
 @requires_prefill
+@pytest.mark.parametrize("form", ["3", "4"])
+def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, form):
+    """The persistent kernel's work order ($HUMMING_JAX_PREFILL_WSP_GROUP: tiles per group, unset:
+    2 or 8 by the call's weight blocks, prefill_wsp_sm90.cuh, tile_group) only reorders the work
+    items: every group size, a last group partial or not, gives the same output bit for bit,
+    equal to the CPU."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    # ~150 rows per expert over 64 experts: ~128 tiles, three 192-row blocks (an odd count: the
+    # cluster's second CTA past N on the last pair).
+    p = _gemm_inputs(rng, "bf16", 2400, 4, 64, 520, 328, "uniform", bias=True)
+    results = {}
+    for group in (None, "1", "3", "8", "1024"):
+        if group is None:
+            monkeypatch.delenv("HUMMING_JAX_PREFILL_WSP_GROUP", raising=False)
+        else:
+            monkeypatch.setenv("HUMMING_JAX_PREFILL_WSP_GROUP", group)
+        with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+            results[group], _ = _prefill_once_matches_cpu(p, f"bf16 form {form} group {group}", "persistent")
+        assert ours.count == 1, "the persistent kernel did not run"
+    for group, got in results.items():
+        np.testing.assert_array_equal(got, results[None], err_msg=f"group {group} differs from the rule's")
+
+
+@requires_prefill
 @pytest.mark.parametrize("m,k,e,n,kdim,ours_expected", [
     (1024, 2, 8, 384, 256, True),  # 256 rows per expert: tiles of 256 tokens, one CTA per SM
     (2048, 4, 8, 384, 256, True),  # 1024 rows per expert: clusters of two

@@ -11,6 +11,7 @@
 #   scripts/gpu_check.sh                      # everything
 #   HJ_STAGES=cuda_tests,memcheck scripts/gpu_check.sh
 #   HJ_PYTEST_ARGS="--maxfail=30" scripts/gpu_check.sh
+#   HJ_PACK=1 scripts/gpu_check.sh            # logs and JUnit files packed into one archive
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -117,3 +118,10 @@ EOF
   for s in "${!STATUS[@]}"; do echo "stage $s: exit ${STATUS[$s]}"; done
   echo "total $(( $(date +%s) - T0 )) s"
 } 2>&1 | tee "$LOG"
+
+# HJ_PACK=1: the stage logs and JUnit files into one archive, $OUT/gpu_check_files.tar.gz, beside
+# gpu_check.log and bench_quick.json (for a caller that takes back only a few files).
+if [[ ${HJ_PACK:-0} == 1 ]]; then
+  (cd "$OUT" && files=$(ls -1 -- *.log *.xml 2>/dev/null | grep -vx gpu_check.log) &&
+    [[ -n $files ]] && tar czf gpu_check_files.tar.gz $files && rm -f $files)
+fi

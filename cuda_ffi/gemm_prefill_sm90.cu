@@ -236,9 +236,9 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
 }  // namespace
 
 Kind choose(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4, WspForm* form) {
-  WspForm f;
+  WspForm f;  // choose_wide sets it only where ours was weighed; wsp_form gives no form where it lost
   const Kind wide = choose_wide(p, R, dev, allow_rs4, &f);
-  if (form != nullptr) *form = wide == Kind::kBf16Wsp || wide == Kind::kFp8Block128Wsp ? f : WspForm{};
+  if (form != nullptr) *form = f;
   if (wide == Kind::kNone) return wide;
   if (wide == Kind::kFp4Bf16 || wide == Kind::kU4Bf16Rs || wide == Kind::kBf16Wsp || wide == Kind::kFp8Block128Wsp)
     return wide;  // tile widths follow each tile's rows

@@ -50,4 +50,10 @@ inline unsigned grid_for(int64_t work, int threads, int64_t max_blocks = 4096) {
 
 inline bool aligned_to(const void* p, size_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
+// permute_rows' kernel (routing_cuda.cu) into y [R, row_bytes]: y[p] = x[perm[p] / top_k] for p
+// below offsets[num_offsets - 1] and an id in [0, R), zeros elsewhere.
+Error permute_rows_into(const std::string& call, cudaStream_t stream, const void* x, const int32_t* perm,
+                        const int32_t* offsets, int64_t num_offsets, int64_t R, int64_t row_bytes, int64_t top_k,
+                        void* y);
+
 }  // namespace hj

@@ -346,6 +346,39 @@ inline Error parse_gemm_grouped(const std::string& call, const AnyBuffer& a, con
   return check_grouped_workspace(call, workspace, c, a, a_scale, qweight, scale, zero, scale2, bias, offsets);
 }
 
+// gemm_grouped_gather's room for the permuted rows at the end of its workspace (a path that does
+// not gather permutes x there first): R x K values of `elem_bytes`, plus the slack for aligning its
+// start (humming_jax/ops/gemm.py, gather_copy_bytes).
+constexpr int64_t kGatherCopyAlign = 256;
+inline int64_t gather_copy_bytes(int64_t R, int64_t K, int64_t elem_bytes) { return R * K * elem_bytes + kGatherCopyAlign; }
+
+// gemm_grouped_gather: x [M, K] 16-bit, permutation [R = M * top_k] int32, c [R, N]; row r of the
+// problem is x[permutation[r] / top_k] (below the last offset and for an id in [0, R); zeros
+// elsewhere, as permute_rows makes them). *R: the problem's rows.
+inline Error parse_gemm_grouped_gather(const std::string& call, const AnyBuffer& x, const AnyBuffer& a_scale,
+                                       const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
+                                       const AnyBuffer& scale2, const AnyBuffer& bias, const AnyBuffer& permutation,
+                                       const AnyBuffer& offsets, const GemmAttrs& at, int64_t top_k,
+                                       const AnyBuffer& c, const AnyBuffer& workspace, GemmProblem* p, int64_t* R) {
+  if (rank(x) != 2) return invalid(call, "x must be [M, K], got " + dims_str(x));
+  HJ_RETURN_IF_ERROR(expect_16bit(call, "x", x));
+  HJ_RETURN_IF_ERROR(parse_gemm(call, x, a_scale, qweight, scale, zero, scale2, bias, at, c, p));
+  if (top_k <= 0) return invalid(call, "top_k must be positive");
+  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
+  *R = dim(permutation, 0);
+  if (*R != dim(x, 0) * top_k) return invalid(call, "permutation must have M * top_k entries");
+  if (dim(c, 0) != *R) return invalid(call, "c must have M * top_k rows");
+  HJ_RETURN_IF_ERROR(expect_shape(call, "expert_first_token_offset", offsets, {p->w.E + 1}));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
+  HJ_RETURN_IF_ERROR(check_no_overlap(call, {span_of("c", c)},
+                                      {span_of("permutation", permutation),
+                                       span_of("expert_first_token_offset", offsets)}));
+  HJ_RETURN_IF_ERROR(check_grouped_workspace(call, workspace, c, x, a_scale, qweight, scale, zero, scale2, bias,
+                                             offsets));
+  return check_no_overlap(call, {span_of("workspace", workspace)}, {span_of("permutation", permutation)});
+}
+
 inline Error check_batched_layout(const std::string& call, const AnyBuffer& a, const AnyBuffer& c,
                                   const AnyBuffer& counts, int64_t num_experts) {
   if (rank(a) != 3) return invalid(call, "a must be [E, T, K]");
@@ -442,6 +475,20 @@ auto bind_gemm_grouped() {
       .template Ret<AnyBuffer>()  // c [R, N]
       .template Ret<AnyBuffer>()  // workspace [bytes] uint8: scratch of the CUDA prefill kernel
       HJ_GEMM_ATTRS;
+}
+
+// gemm_grouped_gather(x, a_scale, w..., permutation, expert_first_token_offset) -> c, workspace:
+// gemm_grouped of permute_rows(x, permutation, offsets, top_k), the rows gathered where a kernel
+// can (the workspace then also holds room for the permuted rows, R x K, where one cannot)
+template <typename PlatformCtx>
+auto bind_gemm_grouped_gather() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // permutation [R]
+      .template Arg<AnyBuffer>()  // expert_first_token_offset [E + 1]
+      .template Ret<AnyBuffer>()  // c [R, N]
+      .template Ret<AnyBuffer>()  // workspace [bytes] uint8
+      HJ_GEMM_ATTRS
+      .template Attr<int64_t>("top_k");
 }
 
 // gemm_batched(a, a_scale, w..., expert_num_tokens) -> c

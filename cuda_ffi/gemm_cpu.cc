@@ -1,6 +1,7 @@
 // CPU handlers of the expert GEMM in its three forms (indexed gather, grouped contiguous,
 // batched masked). Each dequantizes a weight row once per group of activation rows that share
 // an expert and accumulates in float32 in increasing k.
+#include <cstring>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -114,19 +115,9 @@ Error GemmIndexedGatedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, Any
   return Error::Success();
 }
 
-Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
-                     AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
-                     Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
-                     int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
-  const std::string call = "gemm_grouped";
-  GemmProblem p;
-  // The CPU needs no scratch: the workspace is validated and left untouched.
-  HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets,
-                                        gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
-                                                   has_bias, act_group_k),
-                                        *c, *workspace, &p));
-  const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
-  const int64_t R = dim(a, 0);
+// The grouped GEMM of R rows of p.a: rows [off[e], off[e+1]) (clamped monotone into [0, R]) use
+// expert e, rows past the last offset become zeros.
+void grouped_rows_cpu(const GemmProblem& p, const int32_t* off, int64_t R) {
   std::vector<RowRun> runs;
   int64_t done = 0;  // rows below `done` are covered; offsets are clamped to be monotone in [0, R]
   for (int64_t e = 0; e < p.w.E; ++e) {
@@ -142,6 +133,50 @@ Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
   }
   gemm_runs(p, runs);
   zero_rows(p, done, R);
+}
+
+Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                     AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
+                     Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
+                     int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+  const std::string call = "gemm_grouped";
+  GemmProblem p;
+  // The CPU needs no scratch: the workspace is validated and left untouched.
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets,
+                                        gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                   has_bias, act_group_k),
+                                        *c, *workspace, &p));
+  grouped_rows_cpu(p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0));
+  return Error::Success();
+}
+
+Error GemmGroupedGatherCpu(AnyBuffer x, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                           AnyBuffer scale2, AnyBuffer bias, AnyBuffer permutation, AnyBuffer offsets,
+                           Result<AnyBuffer> c, Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n,
+                           int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                           int64_t act_group_k, int64_t top_k) {
+  const std::string call = "gemm_grouped_gather";
+  GemmProblem p;
+  int64_t R = 0;
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped_gather(call, x, a_scale, qweight, scale, zero, scale2, bias, permutation,
+                                               offsets,
+                                               gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                          has_bias, act_group_k),
+                                               top_k, *c, *workspace, &p, &R));
+  // The rows permute_rows makes (zeros where the id is not one), in a buffer of the CPU's own.
+  const int32_t* perm = static_cast<const int32_t*>(permutation.untyped_data());
+  const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
+  int64_t valid = off[p.w.E];
+  valid = valid < 0 ? 0 : (valid > R ? R : valid);
+  const size_t row_bytes = static_cast<size_t>(p.K) * ffi::ByteWidth(x.element_type());
+  std::vector<char> rows(static_cast<size_t>(R) * row_bytes, 0);
+  const char* xs = static_cast<const char*>(x.untyped_data());
+  for (int64_t r = 0; r < valid; ++r) {
+    const int64_t id = perm[r];
+    if (id >= 0 && id < R) std::memcpy(rows.data() + r * row_bytes, xs + (id / top_k) * row_bytes, row_bytes);
+  }
+  p.a.data = rows.data();
+  grouped_rows_cpu(p, off, R);
   return Error::Success();
 }
 
@@ -198,6 +233,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCpu, hj::GemmIndexedQuantCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCpu, hj::GemmIndexedGatedCpu,
                               hj::bind_gemm_indexed_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatherCpu, hj::GemmGroupedGatherCpu,
+                              hj::bind_gemm_grouped_gather<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCpu, hj::GemmBatchedCpu, hj::bind_gemm_batched<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedIntoCpu, hj::GemmBatchedIntoCpu,
                               hj::bind_gemm_batched_into<void>());

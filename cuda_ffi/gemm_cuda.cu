@@ -171,6 +171,31 @@ Error GemmIndexedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, 
                            limit, dim(*c, 0), p.N, p.N / 2);
 }
 
+// The grouped GEMM of R rows of p.a: the prefill kernel where it suits the problem, else the
+// generic kernel.
+Error grouped_rows(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
+                   void* workspace, size_t ws_bytes, cudaStream_t stream) {
+  if (R > INT32_MAX) return invalid(call, "too many rows");
+#if defined(HUMMING_JAX_FAST_PATHS)
+  // Prefill: the CUTLASS grouped GEMM (gemm_prefill_sm90.h) when the problem suits it.
+  bool prefill_ran = false;
+  const Error prefill_err = prefill::try_grouped(call, p, offsets, R, workspace, ws_bytes, stream, &prefill_ran);
+  if (prefill_ran || !prefill_err.success()) return prefill_err;
+#endif
+  GemmLaunch L{};
+  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
+  const int bm = pick_bm(R / (p.w.E > 0 ? p.w.E : 1));
+  const int64_t row_tiles = (R + bm - 1) / bm;
+  L.mode = RowMode::kGrouped;
+  L.E = p.w.E;
+  L.offsets = offsets;
+  L.R = R;
+  // At most one partial tile per expert beyond R / bm full ones; then the zero-fill tiles.
+  L.gemm_tiles = row_tiles + p.w.E;
+  if (R == 0) return Error::Success();
+  return launch(call, L, bm, L.gemm_tiles + row_tiles, stream);
+}
+
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
                       AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
                       Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
@@ -181,28 +206,47 @@ Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
                                         gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
                                                    has_bias, act_group_k),
                                         *c, *workspace, &p));
-  const int64_t R = dim(a, 0);
+  return grouped_rows(call, p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0),
+                      workspace->untyped_data(), workspace->size_bytes(), stream);
+}
+
+Error GemmGroupedGatherCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                            AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer permutation,
+                            AnyBuffer offsets, Result<AnyBuffer> c, Result<AnyBuffer> workspace,
+                            int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                            int64_t has_scale2, int64_t has_bias, int64_t act_group_k, int64_t top_k) {
+  const std::string call = "gemm_grouped_gather";
+  GemmProblem p;
+  int64_t R = 0;
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped_gather(call, x, a_scale, qweight, scale, zero, scale2, bias, permutation,
+                                               offsets,
+                                               gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                          has_bias, act_group_k),
+                                               top_k, *c, *workspace, &p, &R));
   if (R > INT32_MAX) return invalid(call, "too many rows");
+  const int64_t row_bytes = p.K * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  const int64_t copy = gather_copy_bytes(R, p.K, ffi::ByteWidth(x.element_type()));
+  const size_t ws_bytes = workspace->size_bytes();
+  if (ws_bytes < static_cast<size_t>(copy))
+    return invalid(call, "the workspace result holds " + std::to_string(ws_bytes) + " bytes, less than the " +
+                             std::to_string(copy) + " of the permuted rows");
+  const size_t ws_main = ws_bytes - static_cast<size_t>(copy);
+  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
+  const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
+  const int32_t* perm = static_cast<const int32_t*>(permutation.untyped_data());
 #if defined(HUMMING_JAX_FAST_PATHS)
-  // Prefill: the CUTLASS grouped GEMM (gemm_prefill_sm90.h) when the problem suits it.
-  bool prefill_ran = false;
-  const Error prefill_err = prefill::try_grouped(call, p, static_cast<const int32_t*>(offsets.untyped_data()), R,
-                                                 workspace->untyped_data(), workspace->size_bytes(), stream,
-                                                 &prefill_ran);
-  if (prefill_ran || !prefill_err.success()) return prefill_err;
+  const prefill::GatherRows rows{x.untyped_data(), perm, dim(x, 0), top_k};
+  bool ran = false;
+  const Error err = prefill::try_grouped(call, p, off, R, ws, ws_main, stream, &ran, &rows);
+  if (ran || !err.success()) return err;
 #endif
-  GemmLaunch L{};
-  HJ_RETURN_IF_ERROR(prepare(call, p, &L));
-  const int bm = pick_bm(R / (p.w.E > 0 ? p.w.E : 1));
-  const int64_t row_tiles = (R + bm - 1) / bm;
-  L.mode = RowMode::kGrouped;
-  L.E = p.w.E;
-  L.offsets = static_cast<const int32_t*>(offsets.untyped_data());
-  L.R = R;
-  // At most one partial tile per expert beyond R / bm full ones; then the zero-fill tiles.
-  L.gemm_tiles = row_tiles + p.w.E;
-  if (R == 0) return Error::Success();
-  return launch(call, L, bm, L.gemm_tiles + row_tiles, stream);
+  // No kernel gathers this problem's rows: permute them into the workspace's end, then the grouped
+  // GEMM over that copy.
+  const uintptr_t tail = reinterpret_cast<uintptr_t>(ws + ws_main);
+  void* a = reinterpret_cast<void*>((tail + kGatherCopyAlign - 1) / kGatherCopyAlign * kGatherCopyAlign);
+  HJ_RETURN_IF_ERROR(permute_rows_into(call, stream, x.untyped_data(), perm, off, p.w.E + 1, R, row_bytes, top_k, a));
+  p.a.data = a;
+  return grouped_rows(call, p, off, R, ws, ws_main, stream);
 }
 
 Error gemm_batched_impl(const std::string& call, cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale,
@@ -255,6 +299,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCuda, hj::GemmIndexedGatedCuda,
                               hj::bind_gemm_indexed_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatherCuda, hj::GemmGroupedGatherCuda,
+                              hj::bind_gemm_grouped_gather<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCuda, hj::GemmBatchedCuda, hj::bind_gemm_batched<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedIntoCuda, hj::GemmBatchedIntoCuda,

@@ -80,6 +80,12 @@ int tile_rows_from_env() {
 }
 }  // namespace
 
+// A malformed value reads as 0 (humming_jax/ops/gemm.py rejects it when the call is traced).
+int gather_switch() {
+  const int64_t v = env_count("HUMMING_JAX_PREFILL_GATHER", 1, 0);
+  return v >= 0 && v <= 2 ? static_cast<int>(v) : 0;
+}
+
 WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K) {
   if (kind == Kind::kFp8Block128Wsp) return switch_form(fp8_wsp_switch());
   if (kind != Kind::kBf16Wsp || E <= 0) return WspForm{};
@@ -359,7 +365,7 @@ Error run_dequantized(const std::string& call, const GroupedArgs& g, const GemmP
 }  // namespace
 
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
-                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled) {
+                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled, const GatherRows* gather) {
   *handled = false;
   if (disabled_by_env()) return Error::Success();
   DeviceInfo dev;
@@ -367,6 +373,14 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   WspForm form;
   Kind kind = choose(p, R, dev, /*allow_rs4=*/true, &form);
   if (kind == Kind::kNone) return Error::Success();
+  if (gather != nullptr) {
+    // Only our persistent bf16 kernel gathers rows (16-byte copies: x and its rows aligned).
+    const int sw = gather_switch();
+    const bool gathers = kind == Kind::kBf16Wsp && p.w.type == WeightType::kFloat && p.a.scale == nullptr &&
+                         (form.cluster == 1 ? sw >= 1 : sw == 2) && p.K % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(gather->x) % 16 == 0 && gather->top_k >= 1;
+    if (!gathers) return Error::Success();
+  }
   // A workspace without room for the permuted activations of our 4-bit mainloop was sized for
   // another path (the call was traced with HUMMING_JAX_PREFILL_FP4=0 or HUMMING_JAX_PREFILL_U4RS=0):
   // that path then (for mxfp4 the dequantizing one, for uint4 the CUTLASS mixed-input kinds).
@@ -396,6 +410,12 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   g.E = p.w.E;
   g.workspace = workspace;
   g.workspace_bytes = ws_bytes;
+  if (gather != nullptr) {
+    g.gather = gather->perm;
+    g.gather_x = gather->x;
+    g.gather_div = gather->top_k;
+    g.gather_rows = gather->M;
+  }
   // The 16-bit kinds with quantized weights run on dequantized chunks (fp8 block weights keep
   // their codes: the fp8 kind scales them in the mainloop).
   const Kind wk = wide_kind(kind);

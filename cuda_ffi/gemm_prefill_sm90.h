@@ -167,7 +167,24 @@ struct GroupedArgs {
   // zero_tail: write the zero rows past the last expert (the last chunk only).
   int64_t e0 = 0, groups = -1;
   bool zero_tail = true;
+  // Gathered tokens (kBf16Wsp only): row r of the problem is row gather[r] / gather_div of
+  // gather_x [gather_rows, K] (an id outside [0, R): zeros), and `a` is unused.
+  const int32_t* gather = nullptr;
+  const void* gather_x = nullptr;
+  int64_t gather_div = 1, gather_rows = 0;
 };
+
+// Token rows a grouped call gathers itself (gemm_grouped_gather): row r is x[perm[r] / top_k].
+struct GatherRows {
+  const void* x = nullptr;  // [M, K], the activations' type
+  const int32_t* perm = nullptr;  // [R]
+  int64_t M = 0, top_k = 1;
+};
+
+// HUMMING_JAX_PREFILL_GATHER: 0, gemm_grouped_gather always permutes the rows into its workspace
+// first; 1 (default), our persistent bf16 kernel gathers them where it runs on clusters of one
+// CTA; 2, also on clusters of two (read at each call, for A/B timing).
+int gather_switch();
 
 // The kernel for this problem, or kNone (then the generic kernel runs). Host-side, from shapes,
 // dtypes and alignment only. uint4 weights with bf16 scales and activations get kU4Bf16 (unless
@@ -201,8 +218,11 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
 
 // The hook of the grouped GEMM handler: runs the prefill kernel when the problem suits it
 // (*handled = true, the result is the call's), else leaves the call to the generic kernel.
+// gather (optional): the call's rows are gathered token rows; the prefill kernel then runs only
+// where it gathers them itself (*handled = false otherwise: the caller permutes them into `a`).
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
-                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled);
+                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled,
+                  const GatherRows* gather = nullptr);
 
 // w' of the contract (gemm_weight: the activation-type rounding of the float32 weight) of experts
 // [e0, e0 + experts) into out [experts, N, K] of the activation type (bf16 or fp16). Needs K % 8 == 0

@@ -27,6 +27,13 @@
 //    and load half of its tokens each, multicast to both, which halves the tokens' L2 traffic (the
 //    CUTLASS kind's 1 x 2 cluster does the same for its A tile). A consumer warp releases a slot
 //    in both CTAs' empty barriers: a peer's multicast writes into this CTA's slot.
+//  * Gathered tokens (GroupedArgs::gather): row r of the problem is token row gather[r] / div of x,
+//    so GEMM1 reads the routed tokens where they are instead of a permuted copy (R x K written and
+//    read again). The whole producer warpgroup then loads a stage's token rows by 16-byte cp.async
+//    into the 128-byte swizzle's positions (each thread one 16-byte column of every 16th row), one
+//    thread the weights' box by TMA; each thread's cp.async arrive on the full barrier counts in
+//    its 1 + 128 arrivals. The consumers fence the generic proxy's writes before their wgmma reads
+//    them. No multicast: each CTA of a cluster loads its tile's rows itself.
 // K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
 // Rounding: acc (float32 over k) + bias, one rounding to bf16, the contract's order.
 #include <cuda_bf16.h>
@@ -77,6 +84,8 @@ struct Form : wsp::Groups<kMaxTokens_> {
 // gemm16_wsp_kernel launches by this process (HjPrefillBf16WspLaunches): lets the GPU tests prove
 // that a call took this kernel rather than the CUTLASS kind.
 std::atomic<uint64_t> g_wsp_launches{0};
+// ... of which with gathered tokens (HjPrefillGatherLaunches).
+std::atomic<uint64_t> g_gather_launches{0};
 
 template <int kMaxTokens>
 struct WspParams {
@@ -89,7 +98,14 @@ struct WspParams {
   int* count;         // tiles in the list
   int N, K;
   int group;  // tiles per group of the work items' order (wsp::for_items)
+  // Gathered tokens: row r's tokens are x's row gather[r] / div (an id outside [0, R): zeros);
+  // x == nullptr: the act maps over the problem's rows.
+  const __nv_bfloat16* x;
+  const int32_t* gather;
+  int div, R;
 };
+
+constexpr int kGatherThreads = 128;  // the producer warpgroup
 
 // The producer (one thread): for each of this cluster's items, its KT stages into the ring; slot
 // and phase run on across items. Each stage: the CTA's kRowsCta weight rows (one box), and half of
@@ -120,18 +136,69 @@ __device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t
   });
 }
 
+// The producer warpgroup (pt: its thread, 0 .. 127) with gathered tokens: per item, the tile's
+// source rows into rows[] (-1: zeros; rows past the tile's own are zeros too, their columns never
+// stored), then per stage thread 0 arms the full barrier with the weights' bytes and loads their
+// box by TMA, and every thread copies 16-byte column pt % 8 of rows pt / 8, + 16, .. of the tile
+// (the swizzle puts column c of row r at c ^ r % 8) and arrives once its copies land.
+template <int kMaxTokens, int kCluster>
+__device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0,
+                                                 uint32_t bar_full, uint32_t bar_empty, int rank, int pt, int* rows,
+                                                 int bar_id) {
+  using F = Form<kMaxTokens>;
+  constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes;
+  const int KT = (W.K + kBK - 1) / kBK;
+  const int col = pt & 7, r0 = pt >> 3;
+  auto sync = [bar_id] { asm volatile("bar.sync %0, %1;\n" ::"r"(bar_id), "n"(kGatherThreads) : "memory"); };
+  uint32_t slot = 0, phase = 0;
+  wsp::for_items<kCluster, F::kRowsCta>(W, rank, [&](int4 tile, int n0) {
+    const int width = wsp::tile_width<kMaxTokens>(tile.z);
+    sync();  // the previous item's copies are issued: rows[] is free
+    for (int r = pt; r < width; r += kGatherThreads) {
+      const int id = r < tile.z ? __ldg(W.gather + tile.y + r) : -1;
+      rows[r] = id >= 0 && id < W.R ? id / W.div : -1;
+    }
+    sync();
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      const uint32_t full = bar_full + 8 * slot, act_s = act0 + slot * kActBytes;
+      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
+      if (pt == 0) {
+        mbar_arrive_expect_tx(full, static_cast<uint32_t>(kWBytes));
+        tma_load_3d(w0 + slot * kWBytes, &W.w, kt * kBK, n0, tile.x, full);
+      }
+      const int k = kt * kBK + col * 8;
+#pragma unroll 1
+      for (int r = r0; r < width; r += kGatherThreads / 8) {
+        const int src = rows[r];
+        const bool ok = src >= 0 && k < W.K;
+        decode::cp_async16(act_s + r * (kBK * 2) + ((col ^ (r & 7)) << 4),
+                           ok ? W.x + static_cast<int64_t>(src) * W.K + k : W.x, ok ? 16 : 0);
+      }
+      cp_async_mbar_arrive(full);
+      if (++slot == kStages) {
+        slot = 0;
+        phase ^= 1u;
+      }
+    }
+  });
+}
+
 // A consumer warpgroup's part of one item (weight rows [64 wg, + 64) of the CTA's) with kCh chunks
 // of kChunk tokens: per stage and k16 step, the warp's 16 x 16 weight fragment by ldmatrix (double
 // buffered across steps: step j + 1's load overlaps step j's MMAs), then the kCh MMAs.
 template <int kMaxTokens, int kCh, int kCluster>
 __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0, uint32_t bar_full,
                                         uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
-                                        float (&acc)[kMaxTokens / 2], int lane, int rank) {
+                                        float (&acc)[kMaxTokens / 2], int lane, int rank, bool gathered) {
   constexpr int kWBytes = Form<kMaxTokens>::kWBytes, kActBytes = Form<kMaxTokens>::kActBytes;
   uint32_t frag[2][4];
   uint32_t prev = 0;
   for (int kt = 0; kt < KT; ++kt) {
     mbar_wait(bar_full + 8 * slot, phase);
+    // Gathered tokens were written by cp.async (the generic proxy); the wgmma reads them through
+    // the async proxy.
+    if (gathered) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     const uint32_t w_s = w_t + slot * kWBytes;
     const uint32_t dlo = smem_desc_lo(act0 + slot * kActBytes);
 #pragma unroll
@@ -180,16 +247,23 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
   constexpr int kGroups = F::kGroups, kRowsCta = F::kRowsCta;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
+  __shared__ int gather_rows[kMaxTokens];              // gathered tokens: the item's source rows
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
   const uint32_t w0 = base, act0 = base + kStages * F::kWBytes;
   uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + F::kRingBytes;
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
-  wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, 1);  // full: the producer's expect-tx arrival
+  const bool gathered = W.x != nullptr;
+  // full: the producer's expect-tx arrival, and with gathered tokens each producer thread's cp.async one
+  wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, gathered ? 1 + kGatherThreads : 1);
   if (tid >= 128 * kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(F::kProducerRegs));
-    if (tid == 128 * kGroups) produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
+    if (gathered)
+      produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups,
+                                             gather_rows, 1 + kGroups);
+    else if (tid == 128 * kGroups)
+      produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(F::kConsumerRegs));
     const int KT = (W.K + kBK - 1) / kBK;
@@ -210,7 +284,8 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
         constexpr int kCh = decltype(chunks)::value;
         wsp::group_item<kCh * kChunk, kCluster, kStages>(
             W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
-              consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank);
+              consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank,
+                                                 gathered);
             });
       });
     });
@@ -227,7 +302,19 @@ template <int kMaxTokens>
 std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
   using F = Form<kMaxTokens>;
   WspParams<kMaxTokens> W{};
-  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, F::kRowsCta);
+  if (g.gather != nullptr) {
+    W.x = static_cast<const __nv_bfloat16*>(g.gather_x);
+    W.gather = g.gather;
+    W.div = static_cast<int>(g.gather_div);
+    W.R = static_cast<int>(g.R);
+  }
+  // With gathered tokens the act maps go unused; they are still encoded (over x's rows).
+  GroupedArgs maps = g;
+  if (g.gather != nullptr) {
+    maps.a = g.gather_x;
+    maps.R = g.gather_rows;
+  }
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, maps, kBK, F::kRowsCta);
   if (e.empty())
     e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm16_wsp_kernel<kMaxTokens, 1>, gemm16_wsp_kernel<kMaxTokens, 2>,
                  cluster, F::kThreads, F::kSmem, dev, stream, "gemm16_wsp_kernel");
@@ -245,6 +332,7 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
       max_tokens == 256 ? run_form<256>(g, dev, stream, cluster) : run_form<128>(g, dev, stream, cluster);
   if (!e.empty()) return e;
   g_wsp_launches.fetch_add(1, std::memory_order_relaxed);
+  if (g.gather != nullptr) g_gather_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();
 }
 
@@ -254,4 +342,9 @@ std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream
 // Launches of the persistent bf16 kernel so far in this process (for tests, through ctypes).
 extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillBf16WspLaunches() {
   return hj::prefill::g_wsp_launches.load(std::memory_order_relaxed);
+}
+
+// ... of which read gathered token rows (gemm_grouped_gather).
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatherLaunches() {
+  return hj::prefill::g_gather_launches.load(std::memory_order_relaxed);
 }

@@ -412,14 +412,13 @@ __global__ void permute_rows_kernel(const V* __restrict__ x, const int32_t* __re
 }
 
 template <typename V>
-Error launch_permute(const std::string& call, cudaStream_t stream, const AnyBuffer& x, const AnyBuffer& perm,
-                     const AnyBuffer& offsets, AnyBuffer y, const PermuteShape& s, int64_t row_bytes, int64_t top_k) {
+Error launch_permute(const std::string& call, cudaStream_t stream, const void* x, const int32_t* perm,
+                     const int32_t* offsets, int64_t num_offsets, int64_t R, int64_t row_bytes, int64_t top_k,
+                     void* y) {
   const int64_t units = row_bytes / static_cast<int64_t>(sizeof(V));
   const int threads = 256;
-  permute_rows_kernel<V><<<grid_for(s.R * units, threads), threads, 0, stream>>>(
-      static_cast<const V*>(x.untyped_data()), static_cast<const int32_t*>(perm.untyped_data()),
-      static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, units, top_k,
-      static_cast<V*>(y.untyped_data()));
+  permute_rows_kernel<V><<<grid_for(R * units, threads), threads, 0, stream>>>(
+      static_cast<const V*>(x), perm, offsets, num_offsets, R, units, top_k, static_cast<V*>(y));
   return launch_status(call, "permute_rows_kernel");
 }
 
@@ -429,17 +428,27 @@ Error PermuteRowsCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, A
   PermuteShape s;
   HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &s));
   const int64_t row_bytes = s.cols * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  if (s.R == 0 || row_bytes == 0) return Error::Success();
-  auto fits = [&](size_t unit) {
-    return row_bytes % static_cast<int64_t>(unit) == 0 && aligned_to(x.untyped_data(), unit) &&
-           aligned_to(y->untyped_data(), unit);
-  };
-  if (fits(16)) return launch_permute<uint4>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
-  if (fits(4)) return launch_permute<uint32_t>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
-  if (fits(2)) return launch_permute<uint16_t>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
-  return launch_permute<uint8_t>(call, stream, x, permutation, offsets, *y, s, row_bytes, top_k);
+  return permute_rows_into(call, stream, x.untyped_data(), static_cast<const int32_t*>(permutation.untyped_data()),
+                           static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, row_bytes, top_k,
+                           y->untyped_data());
 }
 
+}  // namespace
+
+Error permute_rows_into(const std::string& call, cudaStream_t stream, const void* x, const int32_t* perm,
+                        const int32_t* offsets, int64_t num_offsets, int64_t R, int64_t row_bytes, int64_t top_k,
+                        void* y) {
+  if (R == 0 || row_bytes == 0) return Error::Success();
+  auto fits = [&](size_t unit) {
+    return row_bytes % static_cast<int64_t>(unit) == 0 && aligned_to(x, unit) && aligned_to(y, unit);
+  };
+  if (fits(16)) return launch_permute<uint4>(call, stream, x, perm, offsets, num_offsets, R, row_bytes, top_k, y);
+  if (fits(4)) return launch_permute<uint32_t>(call, stream, x, perm, offsets, num_offsets, R, row_bytes, top_k, y);
+  if (fits(2)) return launch_permute<uint16_t>(call, stream, x, perm, offsets, num_offsets, R, row_bytes, top_k, y);
+  return launch_permute<uint8_t>(call, stream, x, perm, offsets, num_offsets, R, row_bytes, top_k, y);
+}
+
+namespace {
 }  // namespace
 }  // namespace hj
 

@@ -295,16 +295,19 @@ class GroupedExperts(_StandardExperts):
         k = ids.shape[1]
         routing = routing_ops.routing_grouped(ids, emap, weights.num_experts)
         quant = act_quant_params(weights.act_key)
+        offsets = routing.expert_first_token_offset
         if quant is None:
-            a, a_scale, agk = routing_ops.permute_rows(x, routing, k), None, 0
+            # GEMM1 reads the token rows through the permutation (no permuted copy where the
+            # kernel gathers them itself).
+            gu = gemm_ops.gemm_grouped_gather(x, weights.w13, weights.b13, routing.permutation, offsets, k,
+                                              out_dtype=x.dtype)
         else:
             # The M token rows are quantized, then codes and scales permuted: the same rows as
             # quantizing the M * k permuted ones (the quantization is per row), for 1/k of the work.
             q, s = act_ops.quantize(x, quant[0], quant[1])
             a, a_scale = routing_ops.permute_rows(q, routing, k), routing_ops.permute_rows(s, routing, k)
-            agk = quant[1]
-        offsets = routing.expert_first_token_offset
-        gu = gemm_ops.gemm_grouped(a, a_scale, weights.w13, weights.b13, offsets, out_dtype=x.dtype, act_group_k=agk)
+            gu = gemm_ops.gemm_grouped(a, a_scale, weights.w13, weights.b13, offsets, out_dtype=x.dtype,
+                                       act_group_k=quant[1])
         a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)
         d = gemm_ops.gemm_grouped(a2, a2_scale, weights.w2, weights.b2, offsets, out_dtype=x.dtype, act_group_k=agk2)
         return d, routing.src_rows

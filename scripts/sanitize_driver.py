@@ -67,9 +67,10 @@ def custom_weight(wtype, e, n, k, gk, **kw):
     return random_packed_weight(rng, wtype, e, n, k, gk, **kw)
 
 
-def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2)):
+def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather=False):
     """One grouped prefill GEMM: routing, permutation, (quantization,) gemm_grouped; ``experts`` are
-    the ids drawn (others receive nothing), 5% of the entries padding."""
+    the ids drawn (others receive nothing), 5% of the entries padding. ``gather`` (16-bit
+    activations): gemm_grouped_gather instead, the rows read through the permutation."""
     spec = SCHEMES[scheme]
     w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
@@ -80,6 +81,9 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2)):
 
     def prefill(x, ids, w, bias):
         r = routing_ops.routing_grouped(ids, jnp.arange(e, dtype=jnp.int32), e)
+        if gather and quant is None:
+            return gemm_ops.gemm_grouped_gather(x, w, bias, r.permutation, r.expert_first_token_offset, topk,
+                                                out_dtype=spec.default_dtype)
         xp = routing_ops.permute_rows(x, r, topk)
         a, s = act_ops.quantize(xp, *quant) if quant else (xp, None)
         return gemm_ops.gemm_grouped(a, s, w, bias if quant is None else None, r.expert_first_token_offset,
@@ -100,6 +104,7 @@ def wsp_many_items():
     """bf16 and fp8 grouped calls with more work items than SMs (~150 rows on each of 64 experts:
     two tiles each; N = 600 / 512, the last weight block partial; a partial last k stage for bf16)."""
     prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64))
+    prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64), gather=True)
     fp8_ring_case("across")
 
 
@@ -146,6 +151,7 @@ def main() -> None:
         for scheme, m in itertools.product(("bf16", "w8a8-fp8-block128"), (300, 60)):
             prefill_grouped(scheme, m)
         prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8))
+        prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8), gather=True)
         wsp_many_items()
         print(f"sanitize_driver: {calls} jitted calls completed (--wsp)")
         return
@@ -209,6 +215,8 @@ def main() -> None:
     for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
                                        (1200, 300, 60)):
         prefill_grouped(scheme, m)
+    for m in (1200, 300, 60):  # GEMM1's gathered rows (one CTA per SM at 300 and 60; a permuted copy at 1200)
+        prefill_grouped("bf16", m, gather=True)
     rs4_many_items()
     wsp_many_items()
     # Activation, fused quantization, quantization, finalize.
@@ -240,7 +248,7 @@ def main() -> None:
             wts, cnt)
     counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches",
                                                               "HjDecodeQuantLaunches", "HjDecodeGatedLaunches",
-                                                              "HjPrefillLaunches")
+                                                              "HjPrefillLaunches", "HjPrefillGatherLaunches")
               for fn in [hj._ffi.launch_counter(name)]}
     print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")
 

@@ -508,6 +508,90 @@ def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, 
         np.testing.assert_array_equal(got, results[None], err_msg=f"group {group} differs from the rule's")
 
 
+def _gather_call(x, ids, emap, w, b, e, k):
+    r = routing_ops.routing_grouped(ids, emap, e)
+    return gemm_ops.gemm_grouped_gather(x, w, b, r.permutation, r.expert_first_token_offset, k, out_dtype=x.dtype), \
+        r.expert_first_token_offset
+
+
+@requires_prefill
+@pytest.mark.parametrize("form", ["1", "2", "3", "4"])
+@pytest.mark.parametrize("m,k,e,n,kdim,kind", [
+    (1024, 4, 16, 264, 136, "tail"),  # N, K not multiples of the tiles; dropped ids: rows past off[E]
+    (2048, 8, 64, 384, 256, "zero_rows"),  # experts without rows
+    (1024, 1, 8, 256, 512, "one_expert"),  # one expert's rows over many tiles
+])
+def test_prefill_gathered_tokens_equal_the_permuted_copy(rng, monkeypatch, form, m, k, e, n, kdim, kind):
+    """gemm_grouped_gather on the persistent bf16 kernel reads the token rows through the
+    permutation ($HUMMING_JAX_PREFILL_GATHER=2: on every form): bit for bit the result of the
+    permuted copy on the same kernel (=0), equal to the CPU, rows past the last offset zeros; the
+    result's memory poisoned with NaN first."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    w = SCHEMES["bf16"].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), jnp.bfloat16)
+    ids, emap = _routing_ids(rng, m, k, e, kind), _expert_map(e, kind)
+    args = jax.device_put((x, ids, emap, w, b), GPU)
+    results = {}
+    for gather in ("2", "0"):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, gather)
+        f = jax.jit(_gather_call, static_argnums=(5, 6))
+        junk = jax.device_put(jnp.full((m * k, n), jnp.nan, jnp.bfloat16), GPU)
+        junk.block_until_ready()
+        del junk
+        with _LaunchCount(_ffi.launch_counter("HjPrefillGatherLaunches")) as gathered, \
+                _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+            c, off = jax.block_until_ready(f(*args, e, k))
+        assert ours.count == 1, f"gather {gather}: the persistent kernel did not run"
+        assert gathered.count == (1 if gather == "2" else 0), f"gather {gather}: {gathered.count} gathered launches"
+        results[gather] = _to_np(c)
+    got = results["2"]
+    np.testing.assert_array_equal(got, results["0"], err_msg="gathered rows differ from the permuted copy's")
+    want, _ = jax.jit(_gather_call, static_argnums=(5, 6))(*jax.device_put((x, ids, emap, w, b), CPU), e, k)
+    _assert_close(got, _to_np(want), jnp.bfloat16, f"form {form} {kind}")
+    last = int(np.asarray(off)[-1])
+    assert last < m * k or kind != "tail"
+    assert np.all(got[last:] == 0.0), "rows past the last expert must be zeros"
+
+
+@requires_prefill
+def test_prefill_gather_default_takes_clusters_of_one_only(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_GATHER unset: the forms on one CTA per SM gather, those on clusters of
+    two read the permuted copy by multicast (cuda_ffi/gemm_prefill_sm90.cu, try_grouped)."""
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_GATHER, raising=False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    m, k, e, n, kdim = 1024, 2, 8, 256, 256
+    w = SCHEMES["bf16"].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), jnp.bfloat16)
+    args = jax.device_put((x, _routing_ids(rng, m, k, e, "uniform"), _expert_map(e, "uniform"), w, None), GPU)
+    for form, gathers in (("3", True), ("4", False)):
+        monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+        with _LaunchCount(_ffi.launch_counter("HjPrefillGatherLaunches")) as gathered:
+            jax.block_until_ready(jax.jit(_gather_call, static_argnums=(5, 6))(*args, e, k))
+        assert gathered.count == int(gathers), f"form {form}"
+
+
+@requires_prefill
+def test_grouped_layer_gathers_on_the_gpu_and_matches_the_reference(rng, monkeypatch):
+    """The grouped class at a prefill size: GEMM1 gathers its rows (one gathered launch a call),
+    the layer within bf16 rounding of the float reference; a mid-size call with the permuted-copy
+    path (=0) gives the same bits."""
+    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_GATHER, gemm_ops.ENV_PREFILL_MIN_ROWS):
+        monkeypatch.delenv(var, raising=False)
+    layer = random_layer(rng, m=1024, e=16, h=512, i=256, k=4)  # 256 rows an expert: one CTA per SM
+    args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
+    run = lambda: jax.block_until_ready(jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids, gemm_type="grouped"))(*args))
+    with _LaunchCount(_ffi.launch_counter("HjPrefillGatherLaunches")) as gathered:
+        got = run()
+    assert gathered.count == 1, f"{gathered.count} gathered launches"
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, "0")
+    np.testing.assert_array_equal(_to_np(run()), _to_np(got))
+    from conftest import reference
+
+    assert relative_error(got, reference(layer)) < 1.2e-2
+
+
 @requires_prefill
 @pytest.mark.parametrize("m,k,e,n,kdim,ours_expected", [
     (1024, 2, 8, 384, 256, True),  # 256 rows per expert: tiles of 256 tokens, one CTA per SM

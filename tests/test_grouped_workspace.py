@@ -400,3 +400,72 @@ def test_rs4_warp_specialized_switch_is_checked_when_the_call_is_traced(rng, mon
             with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_RS4_WS"):
                 gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False)
         monkeypatch.delenv(gemm_ops.ENV_PREFILL_RS4_WS)
+
+
+# gemm_grouped_gather: GEMM1 of the grouped class reads the token rows through the permutation.
+
+def _gather_problem(rng, wtype, m=37, k_top=3, e_global=10, e_local=6, n=24, k=64, dtype=jnp.bfloat16, bias=True):
+    from humming_jax.testing import random_packed_weight, random_routing
+
+    ids, emap = random_routing(rng, m, k_top, e_global, e_local, pad_frac=0.2)
+    r = routing_ops.routing_grouped(ids, emap, e_local)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    if wtype == WeightType.FLOAT:
+        w = PackedWeight(jnp.asarray(rng.standard_normal((e_local, n, k)) / np.sqrt(k), dtype), wtype=wtype, k=k)
+    else:
+        w = random_packed_weight(rng, wtype, e_local, n, k, 32, scale_dtype=np.float32)
+    b = jnp.asarray(rng.standard_normal((e_local, n)), jnp.float32) if bias else None
+    return x, w, b, r, k_top
+
+
+@pytest.mark.parametrize("wtype,dtype,bias", [(WeightType.FLOAT, jnp.bfloat16, True), (WeightType.FLOAT, jnp.float16, False),
+                                              (WeightType.UINT4, jnp.bfloat16, True), (WeightType.INT8, jnp.float16, True)])
+def test_gemm_grouped_gather_is_permute_then_grouped_gemm(rng, wtype, dtype, bias):
+    """Bitwise the rows of permute_rows followed by gemm_grouped, and within rounding of a float64
+    reference; rows past the last offset (dropped ids) are zeros."""
+    x, w, b, r, k_top = _gather_problem(rng, wtype, dtype=dtype, bias=bias)
+    off = r.expert_first_token_offset
+    fused = jax.jit(lambda x, perm, off: gemm_ops.gemm_grouped_gather(x, w, b, perm, off, k_top, out_dtype=dtype))
+    got = np.asarray(fused(x, r.permutation, off).astype(jnp.float32))
+    two = gemm_ops.gemm_grouped(routing_ops.permute_rows(x, r, k_top), None, w, b, off, out_dtype=dtype)
+    np.testing.assert_array_equal(got, np.asarray(two.astype(jnp.float32)))
+    wf = np.asarray(w.values().astype(dtype).astype(jnp.float32), np.float64)  # the activation-type rounding
+    xs = np.asarray(x.astype(jnp.float32), np.float64)
+    perm, offs = np.asarray(r.permutation), np.asarray(off)
+    assert offs[-1] < perm.shape[0], "the draw must drop some rows"
+    for e in range(w.num_experts):
+        for p in range(offs[e], offs[e + 1]):
+            want = wf[e] @ xs[perm[p] // k_top] + (np.asarray(b)[e] if b is not None else 0.0)
+            np.testing.assert_allclose(got[p], want, rtol=2e-2, atol=3e-2 * np.abs(want).max())
+    assert np.all(got[offs[-1]:] == 0)
+
+
+def test_gemm_grouped_gather_reserves_room_for_the_permuted_rows(rng):
+    x, w, b, r, k_top = _gather_problem(rng, WeightType.FLOAT)
+    rows = r.permutation.shape[0]
+    f = jax.jit(lambda x, perm, off: gemm_ops.gemm_grouped_gather(x, w, b, perm, off, k_top, out_dtype=jnp.bfloat16))
+    hlo = f.lower(x, r.permutation, r.expert_first_token_offset).as_text()
+    call = next(line for line in hlo.splitlines() if "humming_jax.gemm_grouped_gather" in line)
+    size = gemm_ops.grouped_workspace_bytes(w.num_experts) + rows * w.k * 2 + gemm_ops.GATHER_COPY_ALIGN
+    assert f"(tensor<{rows}x{w.n}xbf16>, tensor<{size}xui8>)" in call, call
+    text = (ROOT / "cuda_ffi" / "ffi_common.h").read_text()
+    assert int(re.search(r"kGatherCopyAlign = (\d+);", text).group(1)) == gemm_ops.GATHER_COPY_ALIGN
+
+
+def test_gemm_grouped_gather_rejects_bad_operands(rng, monkeypatch):
+    x, w, b, r, k_top = _gather_problem(rng, WeightType.FLOAT)
+    perm, off = r.permutation, r.expert_first_token_offset
+    call = lambda x, perm, off, k_top: gemm_ops.gemm_grouped_gather(x, w, b, perm, off, k_top, out_dtype=jnp.bfloat16)
+    with pytest.raises(Exception, match="permutation must have M \\* top_k entries"):
+        jax.jit(call, static_argnums=3)(x, perm, off, k_top + 1).block_until_ready()
+    with pytest.raises(Exception, match="x must be bfloat16 or float16"):
+        jax.jit(call, static_argnums=3)(x.astype(jnp.float32), perm, off, k_top).block_until_ready()
+    with pytest.raises(ValueError, match="x must be \\[M, K\\]"):
+        call(x[None], perm, off, k_top)
+    with pytest.raises(ValueError, match="top_k must be positive"):
+        call(x, perm, off, 0)
+    with pytest.raises(Exception, match="expert_first_token_offset"):
+        jax.jit(call, static_argnums=3)(x, perm, off[:-1], k_top).block_until_ready()
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, "3")
+    with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_GATHER"):
+        call(x, perm, off, k_top)

@@ -104,7 +104,8 @@ def test_fused_moe_runs_every_choice(rng, monkeypatch, gemm_type):
 
 
 def test_fused_moe_uses_the_environment(rng, monkeypatch):
-    # The chosen class shows in the compiled program: grouped permutes rows, indexed does not.
+    # The chosen class shows in the compiled program: grouped's GEMM1 gathers through its
+    # permutation, indexed routes into padded blocks.
     layer = random_layer(rng, m=8, e=4, h=32, i=16, k=2)
     # fused_moe reads the variable when it is traced; jit caches traces per function, so each
     # setting gets its own function here.
@@ -115,8 +116,8 @@ def test_fused_moe_uses_the_environment(rng, monkeypatch):
     grouped = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
     monkeypatch.setenv(ENV_GEMM_TYPE, "indexed")
     indexed = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
-    assert "humming_jax.permute_rows" in grouped and "humming_jax.gemm_grouped" in grouped
-    assert "humming_jax.routing_indexed" in indexed and "permute_rows" not in indexed
+    assert "humming_jax.gemm_grouped_gather" in grouped and "humming_jax.routing_grouped" in grouped
+    assert "humming_jax.routing_indexed" in indexed and "gemm_grouped" not in indexed
 
 
 def test_auto_prefers_grouped_for_prefill_sized_calls(monkeypatch):

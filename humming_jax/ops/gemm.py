@@ -439,6 +439,18 @@ def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantiz
     return _DEQUANT_ALIGN + experts * per_expert
 
 
+def _grouped_workspace(rows: int, a_dtype: Any, a_scale: jax.Array | None, w: PackedWeight, out_dtype: Any) -> int:
+    """Bytes of ``gemm_grouped``'s workspace result for ``rows`` rows of activations."""
+    if w.wtype == WeightType.FLOAT and jnp.dtype(a_dtype) == jnp.bfloat16:
+        bf16_wsp_switch()  # a malformed switch fails here, not as another kernel there
+    if w.wtype == WeightType.FP8_E4M3 and a_scale is not None:
+        fp8_wsp_switch()
+    quantized = a_scale is not None
+    return (grouped_workspace_bytes(w.num_experts) + dequant_buffer_bytes(rows, w, a_dtype, quantized)
+            + mixed_scale_bytes(rows, w, a_dtype, quantized)
+            + rs4_workspace_bytes(rows, w, a_dtype, quantized, out_dtype))
+
+
 def gemm_grouped(
     a: jax.Array,
     a_scale: jax.Array | None,
@@ -454,22 +466,70 @@ def gemm_grouped(
     The call also returns a uint8 workspace (an XLA value, so its buffer is apart from every
     other live one); it is dropped here."""
     ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
-    if w.wtype == WeightType.FLOAT and jnp.dtype(a.dtype) == jnp.bfloat16:
-        bf16_wsp_switch()  # a malformed switch fails here, not as another kernel there
-    if w.wtype == WeightType.FP8_E4M3 and a_scale is not None:
-        fp8_wsp_switch()
     c, _workspace = _ffi.call(
         "gemm_grouped",
         (
             jax.ShapeDtypeStruct((a.shape[0], w.n), out_dtype),
-            jax.ShapeDtypeStruct((grouped_workspace_bytes(w.num_experts)
-                                  + dequant_buffer_bytes(a.shape[0], w, a.dtype, a_scale is not None)
-                                  + mixed_scale_bytes(a.shape[0], w, a.dtype, a_scale is not None)
-                                  + rs4_workspace_bytes(a.shape[0], w, a.dtype, a_scale is not None, out_dtype),),
-                                 jnp.uint8),
+            jax.ShapeDtypeStruct((_grouped_workspace(a.shape[0], a.dtype, a_scale, w, out_dtype),), jnp.uint8),
         ),
         *ops,
         expert_first_token_offset,
+        **attrs,
+    )
+    return c
+
+
+# HUMMING_JAX_PREFILL_GATHER: 0, gemm_grouped_gather permutes the rows into its workspace before the
+# GEMM; 1 (default), the persistent bf16 kernel gathers them itself on clusters of one CTA; 2, also
+# on clusters of two (cuda_ffi/gemm_prefill_sm90.h, gather_switch). Checked when the call is traced.
+ENV_PREFILL_GATHER = "HUMMING_JAX_PREFILL_GATHER"
+GATHER_COPY_ALIGN = 256  # cuda_ffi/ffi_common.h, kGatherCopyAlign
+
+
+def gather_switch() -> int | None:
+    """$HUMMING_JAX_PREFILL_GATHER as 0-2, None when unset (1); any other value is an error."""
+    return _wsp_switch(ENV_PREFILL_GATHER, 2)
+
+
+def gather_copy_bytes(rows: int, k: int, dtype: Any) -> int:
+    """Room ``gemm_grouped_gather`` keeps at its workspace's end for the permuted rows, which a path
+    that does not gather them makes there (cuda_ffi/ffi_common.h, gather_copy_bytes)."""
+    return rows * k * jnp.dtype(dtype).itemsize + GATHER_COPY_ALIGN
+
+
+def gemm_grouped_gather(
+    x: jax.Array,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    permutation: jax.Array,
+    expert_first_token_offset: jax.Array,
+    top_k: int,
+    *,
+    out_dtype: Any,
+) -> jax.Array:
+    """``gemm_grouped(permute_rows(x, routing, top_k), ...)`` in one call: row r of the problem is
+    x[permutation[r] // top_k] (zeros past the last offset): [M * top_k, N].
+
+    x holds 16-bit token rows [M, K]. On the GPU the persistent bf16 kernel reads the rows where
+    they lie; elsewhere the call permutes them into its workspace first. The result is the same."""
+    if x.ndim != 2:
+        raise ValueError(f"gemm_grouped_gather: x must be [M, K], got shape {x.shape}")
+    if top_k <= 0:
+        raise ValueError(f"gemm_grouped_gather: top_k must be positive, got {top_k}")
+    gather_switch()
+    rows = permutation.shape[0]
+    ops, attrs = _operands(x, None, w, bias, 0)
+    c, _workspace = _ffi.call(
+        "gemm_grouped_gather",
+        (
+            jax.ShapeDtypeStruct((rows, w.n), out_dtype),
+            jax.ShapeDtypeStruct((_grouped_workspace(rows, x.dtype, None, w, out_dtype)
+                                  + gather_copy_bytes(rows, w.k, x.dtype),), jnp.uint8),
+        ),
+        *ops,
+        permutation,
+        expert_first_token_offset,
+        top_k=top_k,
         **attrs,
     )
     return c

@@ -182,6 +182,7 @@ __device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens>& W,
       }
     }
   });
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // no thread leaves with its copies in flight
 }
 
 // A consumer warpgroup's part of one item (weight rows [64 wg, + 64) of the CTA's) with kCh chunks

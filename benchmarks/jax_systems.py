@@ -139,8 +139,11 @@ class JaxPoint:
 
     def grouped_routing(self):
         if "grouped" not in self._cache:
-            f = jax.jit(lambda ids: routing_ops.routing_grouped(ids, self.emap, self.e))
-            self._cache["grouped"] = [f(ids) for ids in self.ids]
+            def f(x, ids):
+                rt = routing_ops.routing_grouped(ids, self.emap, self.e)
+                return rt, routing_ops.permute_rows(x, rt, self.k)
+            fj = jax.jit(f)
+            self._cache["grouped"] = [fj(x, ids) for x, ids in zip(self.xs, self.ids)]
         return self._cache["grouped"]
 
     def batched_layout(self):
@@ -211,11 +214,11 @@ def our_layer(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
 
 
 @contextlib.contextmanager
-def _fixed_routing(indexed=None, grouped=None):
+def _fixed_routing(indexed=None, grouped=None, permuted=None):
     """While a class's _experts is traced, its routing custom calls return the layouts prepared
     outside the timed region; counts the substitutions so a class that stops calling them is
     reported rather than timed with its routing inside."""
-    saved = {n: getattr(routing_ops, n) for n in ("routing_indexed", "routing_grouped")}
+    saved = {n: getattr(routing_ops, n) for n in ("routing_indexed", "routing_grouped", "permute_rows")}
     used = {"n": 0}
 
     def give(value):
@@ -242,6 +245,8 @@ def _fixed_routing(indexed=None, grouped=None):
             routing_ops.routing_indexed = give_indexed(indexed)
         if grouped is not None:
             routing_ops.routing_grouped = give(grouped)
+        if permuted is not None:
+            routing_ops.permute_rows = give(permuted)
         yield used
     finally:
         for n, f in saved.items():
@@ -249,14 +254,14 @@ def _fixed_routing(indexed=None, grouped=None):
 
 
 def routing_layouts(jp: JaxPoint, gemm_type: str) -> list[tuple]:
-    """Per input set, what _fixed_routing substitutes: (indexed routing, grouped routing). The
-    grouped class's token rows stay in the timed part: with 16-bit activations its GEMM1 reads
-    them through the permutation (gemm_grouped_gather, which makes a permuted copy first wherever
-    the kernel does not gather), with quantized ones it permutes the quantized rows' codes and
-    scales (as the indexed class quantizes inside)."""
+    """Per input set, what _fixed_routing substitutes: (indexed routing, grouped routing, permuted
+    rows). With quantized activations the grouped class permutes the codes and scales of the
+    quantized token rows, so the permutation stays inside the timed part (with the quantization,
+    as for the indexed class); with 16-bit activations the permuted rows are prepared outside."""
     if gemm_type == "indexed":
-        return [(rt, None) for rt in jp.indexed_routing()]
-    return [(None, rt) for rt in jp.grouped_routing()]
+        return [(rt, None, None) for rt in jp.indexed_routing()]
+    quantized = act_quant_params(jp.weights.act_key) is not None
+    return [(None, rt, None if quantized else xp) for rt, xp in jp.grouped_routing()]
 
 
 def our_gemms(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
@@ -276,8 +281,8 @@ def our_gemms(jp: JaxPoint, system: str, repeats: int, warmup: int) -> dict:
     def chain(w, xs, ids, layouts):
         outs = []
         for r in range(R):
-            ind, grp = layouts[r]
-            with _fixed_routing(ind, grp) as used:
+            ind, grp, perm = layouts[r]
+            with _fixed_routing(ind, grp, perm) as used:
                 d, _ = cls()._experts(xs[r], w, ids[r], jp.emap, "silu", None)
             substituted.append(used["n"])
             outs.append(d)

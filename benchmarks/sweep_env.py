@@ -83,8 +83,8 @@ def make_step(jp: js.JaxPoint, part: str):
     def chain(w, xs, ids, layouts):
         outs = []
         for r in range(jp.R):
-            ind, grp = layouts[r]
-            with js._fixed_routing(ind, grp):
+            ind, grp, perm = layouts[r]
+            with js._fixed_routing(ind, grp, perm):
                 outs.append(cls()._experts(xs[r], w, ids[r], jp.emap, "silu", None)[0])
         return tuple(outs)
 

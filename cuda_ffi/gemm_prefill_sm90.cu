@@ -82,7 +82,7 @@ int tile_rows_from_env() {
 
 // A malformed value reads as 0 (humming_jax/ops/gemm.py rejects it when the call is traced).
 int gather_switch() {
-  const int64_t v = env_count("HUMMING_JAX_PREFILL_GATHER", 1, 0);
+  const int64_t v = env_count("HUMMING_JAX_PREFILL_GATHER", 0, 0);
   return v >= 0 && v <= 2 ? static_cast<int>(v) : 0;
 }
 

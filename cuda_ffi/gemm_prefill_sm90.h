@@ -181,9 +181,10 @@ struct GatherRows {
   int64_t M = 0, top_k = 1;
 };
 
-// HUMMING_JAX_PREFILL_GATHER: 0, gemm_grouped_gather always permutes the rows into its workspace
-// first; 1 (default), our persistent bf16 kernel gathers them where it runs on clusters of one
-// CTA; 2, also on clusters of two (read at each call, for A/B timing).
+// HUMMING_JAX_PREFILL_GATHER: 0 (default), gemm_grouped_gather permutes the rows into its
+// workspace first; 1, our persistent bf16 kernel gathers them itself where it runs on clusters of
+// one CTA; 2, also on clusters of two (read at each call, for A/B timing). Gathering by cp.async
+// measured slower than the permuted copy read by TMA at 256-token tiles (benchmarks/NOTES.md, v17).
 int gather_switch();
 
 // The kernel for this problem, or kNone (then the generic kernel runs). Host-side, from shapes,

@@ -30,8 +30,8 @@
 //  * Gathered tokens (GroupedArgs::gather): row r of the problem is token row gather[r] / div of x,
 //    so GEMM1 reads the routed tokens where they are instead of a permuted copy (R x K written and
 //    read again). The whole producer warpgroup then loads a stage's token rows by 16-byte cp.async
-//    into the 128-byte swizzle's positions (each thread one 16-byte column of every 16th row), one
-//    thread the weights' box by TMA; each thread's cp.async arrive on the full barrier counts in
+//    into the 128-byte swizzle's positions (a pair of threads per row, its source row looked up
+//    once per item), one thread the weights' box by TMA; each thread's cp.async arrive on the full barrier counts in
 //    its 1 + 128 arrivals. The consumers fence the generic proxy's writes before their wgmma reads
 //    them. No multicast: each CTA of a cluster loads its tile's rows itself.
 // K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
@@ -136,29 +136,32 @@ __device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t
   });
 }
 
-// The producer warpgroup (pt: its thread, 0 .. 127) with gathered tokens: per item, the tile's
-// source rows into rows[] (-1: zeros; rows past the tile's own are zeros too, their columns never
-// stored), then per stage thread 0 arms the full barrier with the weights' bytes and loads their
-// box by TMA, and every thread copies 16-byte column pt % 8 of rows pt / 8, + 16, .. of the tile
-// (the swizzle puts column c of row r at c ^ r % 8) and arrives once its copies land.
+// The producer warpgroup (pt: its thread, 0 .. 127) with gathered tokens. Thread pt takes half
+// pt % 2 of rows pt / 2, + 64, .. of the tile: per item it looks their source rows up once (into
+// registers; -1: zeros, also for rows past the tile's own, whose columns are never stored), per
+// stage it copies 16-byte chunks pt % 2, + 2, + 4, + 6 of each (a pair of threads reads whole
+// 32-byte sectors) to where the 128-byte swizzle puts them (chunk c of row r at c ^ r % 8), and
+// arrives once its copies land; thread 0 also arms the full barrier with the weights' bytes and
+// loads their box by TMA. No shared-memory lookups or barriers in the stage loop: a per-row lookup
+// there (one 16-byte column of every 16th row a thread) ran at half the TMA path's rate (v17).
 template <int kMaxTokens, int kCluster>
 __device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0,
-                                                 uint32_t bar_full, uint32_t bar_empty, int rank, int pt, int* rows,
-                                                 int bar_id) {
+                                                 uint32_t bar_full, uint32_t bar_empty, int rank, int pt) {
   using F = Form<kMaxTokens>;
   constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes;
+  constexpr int kRowStep = kGatherThreads / 2, kRows = kMaxTokens / kRowStep;  // a thread's rows
   const int KT = (W.K + kBK - 1) / kBK;
-  const int col = pt & 7, r0 = pt >> 3;
-  auto sync = [bar_id] { asm volatile("bar.sync %0, %1;\n" ::"r"(bar_id), "n"(kGatherThreads) : "memory"); };
+  const int half = pt & 1, q = pt >> 1;
   uint32_t slot = 0, phase = 0;
   wsp::for_items<kCluster, F::kRowsCta>(W, rank, [&](int4 tile, int n0) {
     const int width = wsp::tile_width<kMaxTokens>(tile.z);
-    sync();  // the previous item's copies are issued: rows[] is free
-    for (int r = pt; r < width; r += kGatherThreads) {
+    int src[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const int r = q + kRowStep * i;
       const int id = r < tile.z ? __ldg(W.gather + tile.y + r) : -1;
-      rows[r] = id >= 0 && id < W.R ? id / W.div : -1;
+      src[i] = id >= 0 && id < W.R ? id / W.div : -1;
     }
-    sync();
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
       const uint32_t full = bar_full + 8 * slot, act_s = act0 + slot * kActBytes;
@@ -167,13 +170,18 @@ __device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens>& W,
         mbar_arrive_expect_tx(full, static_cast<uint32_t>(kWBytes));
         tma_load_3d(w0 + slot * kWBytes, &W.w, kt * kBK, n0, tile.x, full);
       }
-      const int k = kt * kBK + col * 8;
-#pragma unroll 1
-      for (int r = r0; r < width; r += kGatherThreads / 8) {
-        const int src = rows[r];
-        const bool ok = src >= 0 && k < W.K;
-        decode::cp_async16(act_s + r * (kBK * 2) + ((col ^ (r & 7)) << 4),
-                           ok ? W.x + static_cast<int64_t>(src) * W.K + k : W.x, ok ? 16 : 0);
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = q + kRowStep * i;
+        if (r < width) {
+          const __nv_bfloat16* row = W.x + static_cast<int64_t>(src[i] < 0 ? 0 : src[i]) * W.K;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int c = half + 2 * j, k = kt * kBK + c * 8;
+            const bool ok = src[i] >= 0 && k < W.K;
+            decode::cp_async16(act_s + r * (kBK * 2) + ((c ^ (r & 7)) << 4), ok ? row + k : W.x, ok ? 16 : 0);
+          }
+        }
       }
       cp_async_mbar_arrive(full);
       if (++slot == kStages) {
@@ -248,7 +256,6 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
   constexpr int kGroups = F::kGroups, kRowsCta = F::kRowsCta;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[kStages], empty[kStages]
-  __shared__ int gather_rows[kMaxTokens];              // gathered tokens: the item's source rows
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
   const uint32_t w0 = base, act0 = base + kStages * F::kWBytes;
   uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + F::kRingBytes;
@@ -261,8 +268,7 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
   if (tid >= 128 * kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(F::kProducerRegs));
     if (gathered)
-      produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups,
-                                             gather_rows, 1 + kGroups);
+      produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups);
     else if (tid == 128 * kGroups)
       produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
   } else {

@@ -296,11 +296,13 @@ class GroupedExperts(_StandardExperts):
         routing = routing_ops.routing_grouped(ids, emap, weights.num_experts)
         quant = act_quant_params(weights.act_key)
         offsets = routing.expert_first_token_offset
-        if quant is None:
-            # GEMM1 reads the token rows through the permutation (no permuted copy where the
-            # kernel gathers them itself).
+        if quant is None and gemm_ops.gather_switch():
+            # GEMM1 reads the token rows through the permutation ($HUMMING_JAX_PREFILL_GATHER).
             gu = gemm_ops.gemm_grouped_gather(x, weights.w13, weights.b13, routing.permutation, offsets, k,
                                               out_dtype=x.dtype)
+        elif quant is None:
+            gu = gemm_ops.gemm_grouped(routing_ops.permute_rows(x, routing, k), None, weights.w13, weights.b13,
+                                       offsets, out_dtype=x.dtype)
         else:
             # The M token rows are quantized, then codes and scales permuted: the same rows as
             # quantizing the M * k permuted ones (the quantization is per row), for 1/k of the work.

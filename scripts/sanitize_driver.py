@@ -89,7 +89,19 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather
         return gemm_ops.gemm_grouped(a, s, w, bias if quant is None else None, r.expert_first_token_offset,
                                      out_dtype=spec.default_dtype, act_group_k=quant[1] if quant else 0)
 
-    run(prefill, x, jnp.asarray(ids), w, bias)
+    # The persistent bf16 kernel gathers only where $HUMMING_JAX_PREFILL_GATHER allows it (read at
+    # each call); the gathered calls here ask for every form that can (2).
+    saved = os.environ.get("HUMMING_JAX_PREFILL_GATHER")
+    if gather:
+        os.environ["HUMMING_JAX_PREFILL_GATHER"] = "2"
+    try:
+        run(prefill, x, jnp.asarray(ids), w, bias)
+    finally:
+        if gather:
+            if saved is None:
+                os.environ.pop("HUMMING_JAX_PREFILL_GATHER")
+            else:
+                os.environ["HUMMING_JAX_PREFILL_GATHER"] = saved
 
 
 def rs4_many_items():
@@ -215,7 +227,7 @@ def main() -> None:
     for scheme, m in itertools.product(("bf16", "fp16", "w8a8-fp8-block128", "w4a16-int4-g128", "w4a16-mxfp4"),
                                        (1200, 300, 60)):
         prefill_grouped(scheme, m)
-    for m in (1200, 300, 60):  # GEMM1's gathered rows (one CTA per SM at 300 and 60; a permuted copy at 1200)
+    for m in (1200, 300, 60):  # GEMM1's gathered rows (clusters of two at 1200, one CTA per SM below)
         prefill_grouped("bf16", m, gather=True)
     rs4_many_items()
     wsp_many_items()

@@ -556,37 +556,43 @@ def test_prefill_gathered_tokens_equal_the_permuted_copy(rng, monkeypatch, form,
 
 
 @requires_prefill
-def test_prefill_gather_default_takes_clusters_of_one_only(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_GATHER unset: the forms on one CTA per SM gather, those on clusters of
-    two read the permuted copy by multicast (cuda_ffi/gemm_prefill_sm90.cu, try_grouped)."""
-    monkeypatch.delenv(gemm_ops.ENV_PREFILL_GATHER, raising=False)
+def test_prefill_gather_switch_picks_the_forms(rng, monkeypatch):
+    """gemm_grouped_gather gathers nowhere with $HUMMING_JAX_PREFILL_GATHER unset; with =1 on the
+    forms on one CTA per SM only (those on clusters of two read the permuted copy by multicast;
+    cuda_ffi/gemm_prefill_sm90.cu, try_grouped)."""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
     m, k, e, n, kdim = 1024, 2, 8, 256, 256
     w = SCHEMES["bf16"].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((m, kdim)), jnp.bfloat16)
     args = jax.device_put((x, _routing_ids(rng, m, k, e, "uniform"), _expert_map(e, "uniform"), w, None), GPU)
-    for form, gathers in (("3", True), ("4", False)):
+    for switch, form, gathers in ((None, "3", False), ("1", "3", True), ("1", "4", False)):
+        if switch is None:
+            monkeypatch.delenv(gemm_ops.ENV_PREFILL_GATHER, raising=False)
+        else:
+            monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, switch)
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
         with _LaunchCount(_ffi.launch_counter("HjPrefillGatherLaunches")) as gathered:
             jax.block_until_ready(jax.jit(_gather_call, static_argnums=(5, 6))(*args, e, k))
-        assert gathered.count == int(gathers), f"form {form}"
+        assert gathered.count == int(gathers), f"switch {switch} form {form}"
 
 
 @requires_prefill
-def test_grouped_layer_gathers_on_the_gpu_and_matches_the_reference(rng, monkeypatch):
-    """The grouped class at a prefill size: GEMM1 gathers its rows (one gathered launch a call),
-    the layer within bf16 rounding of the float reference; a mid-size call with the permuted-copy
-    path (=0) gives the same bits."""
+def test_grouped_layer_gathers_with_the_switch_and_matches_the_reference(rng, monkeypatch):
+    """The grouped class at a prefill size with $HUMMING_JAX_PREFILL_GATHER=1: GEMM1 gathers its
+    rows (one gathered launch a call), bit for bit the default's permuted rows, within bf16
+    rounding of the float reference."""
     for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_GATHER, gemm_ops.ENV_PREFILL_MIN_ROWS):
         monkeypatch.delenv(var, raising=False)
     layer = random_layer(rng, m=1024, e=16, h=512, i=256, k=4)  # 256 rows an expert: one CTA per SM
     args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
+    # The switch is read when the class is traced: a fresh function each time.
     run = lambda: jax.block_until_ready(jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids, gemm_type="grouped"))(*args))
+    want = run()
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, "1")
     with _LaunchCount(_ffi.launch_counter("HjPrefillGatherLaunches")) as gathered:
         got = run()
     assert gathered.count == 1, f"{gathered.count} gathered launches"
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, "0")
-    np.testing.assert_array_equal(_to_np(run()), _to_np(got))
+    np.testing.assert_array_equal(_to_np(got), _to_np(want))
     from conftest import reference
 
     assert relative_error(got, reference(layer)) < 1.2e-2

@@ -104,8 +104,7 @@ def test_fused_moe_runs_every_choice(rng, monkeypatch, gemm_type):
 
 
 def test_fused_moe_uses_the_environment(rng, monkeypatch):
-    # The chosen class shows in the compiled program: grouped's GEMM1 gathers through its
-    # permutation, indexed routes into padded blocks.
+    # The chosen class shows in the compiled program: grouped permutes rows, indexed does not.
     layer = random_layer(rng, m=8, e=4, h=32, i=16, k=2)
     # fused_moe reads the variable when it is traced; jit caches traces per function, so each
     # setting gets its own function here.
@@ -116,8 +115,29 @@ def test_fused_moe_uses_the_environment(rng, monkeypatch):
     grouped = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
     monkeypatch.setenv(ENV_GEMM_TYPE, "indexed")
     indexed = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
-    assert "humming_jax.gemm_grouped_gather" in grouped and "humming_jax.routing_grouped" in grouped
-    assert "humming_jax.routing_indexed" in indexed and "gemm_grouped" not in indexed
+    assert "humming_jax.permute_rows" in grouped and "humming_jax.gemm_grouped" in grouped
+    assert "humming_jax.routing_indexed" in indexed and "permute_rows" not in indexed
+
+
+def test_grouped_class_gathers_its_rows_with_the_switch(rng, monkeypatch):
+    """$HUMMING_JAX_PREFILL_GATHER=1 (read when the class is traced): the grouped class's GEMM1 is
+    gemm_grouped_gather, with no permute_rows of the 16-bit rows, and the layer's output is bit
+    for bit the default's; a value outside 0-2 is an error at trace time."""
+    from humming_jax.ops import gemm as gemm_ops
+
+    layer = random_layer(rng, m=40, e=4, h=64, i=32, k=2, pad_frac=0.1)
+    args = (layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
+    f = lambda: jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids, gemm_type="grouped"))
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_GATHER, raising=False)
+    want = f()(*args)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, "1")
+    g = f()
+    hlo = g.lower(*args).as_text()
+    assert "humming_jax.gemm_grouped_gather" in hlo and "humming_jax.permute_rows" not in hlo
+    np.testing.assert_array_equal(np.asarray(g(*args).astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_GATHER, "3")
+    with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_GATHER"):
+        f()(*args)
 
 
 def test_auto_prefers_grouped_for_prefill_sized_calls(monkeypatch):

@@ -479,15 +479,17 @@ def gemm_grouped(
     return c
 
 
-# HUMMING_JAX_PREFILL_GATHER: 0, gemm_grouped_gather permutes the rows into its workspace before the
-# GEMM; 1 (default), the persistent bf16 kernel gathers them itself on clusters of one CTA; 2, also
-# on clusters of two (cuda_ffi/gemm_prefill_sm90.h, gather_switch). Checked when the call is traced.
+# HUMMING_JAX_PREFILL_GATHER: 0 or unset, the grouped class permutes its token rows (permute_rows)
+# before GEMM1; 1, its GEMM1 is gemm_grouped_gather, whose persistent bf16 kernel gathers the rows
+# itself on clusters of one CTA; 2, also on clusters of two (cuda_ffi/gemm_prefill_sm90.h,
+# gather_switch). Read when the class is traced (and by the CUDA handler at each call). Off by
+# default: gathering by cp.async measured slower than the permuted copy at 256-token tiles (v17).
 ENV_PREFILL_GATHER = "HUMMING_JAX_PREFILL_GATHER"
 GATHER_COPY_ALIGN = 256  # cuda_ffi/ffi_common.h, kGatherCopyAlign
 
 
 def gather_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_GATHER as 0-2, None when unset (1); any other value is an error."""
+    """$HUMMING_JAX_PREFILL_GATHER as 0-2, None when unset (0); any other value is an error."""
     return _wsp_switch(ENV_PREFILL_GATHER, 2)
 
 
@@ -511,7 +513,8 @@ def gemm_grouped_gather(
     x[permutation[r] // top_k] (zeros past the last offset): [M * top_k, N].
 
     x holds 16-bit token rows [M, K]. On the GPU the persistent bf16 kernel reads the rows where
-    they lie; elsewhere the call permutes them into its workspace first. The result is the same."""
+    they lie when $HUMMING_JAX_PREFILL_GATHER allows it; elsewhere the call permutes them into its
+    workspace first. The result is the same, bit for bit."""
     if x.ndim != 2:
         raise ValueError(f"gemm_grouped_gather: x must be [M, K], got shape {x.shape}")
     if top_k <= 0:

@@ -1,11 +1,11 @@
 // CPU handlers of the expert GEMM in its three forms (indexed gather, grouped contiguous,
 // batched masked). Each dequantizes a weight row once per group of activation rows that share
 // an expert and accumulates in float32 in increasing k.
-#include <cstring>
 #include <vector>
 
 #include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "permute_rows_cpu.h"
 #include "quantize_cpu.h"
 
 namespace hj {
@@ -163,18 +163,12 @@ Error GemmGroupedGatherCpu(AnyBuffer x, AnyBuffer a_scale, AnyBuffer qweight, An
                                                gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
                                                           has_bias, act_group_k),
                                                top_k, *c, *workspace, &p, &R));
-  // The rows permute_rows makes (zeros where the id is not one), in a buffer of the CPU's own.
-  const int32_t* perm = static_cast<const int32_t*>(permutation.untyped_data());
+  // The rows permute_rows makes, in a buffer of the CPU's own.
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
-  int64_t valid = off[p.w.E];
-  valid = valid < 0 ? 0 : (valid > R ? R : valid);
   const size_t row_bytes = static_cast<size_t>(p.K) * ffi::ByteWidth(x.element_type());
-  std::vector<char> rows(static_cast<size_t>(R) * row_bytes, 0);
-  const char* xs = static_cast<const char*>(x.untyped_data());
-  for (int64_t r = 0; r < valid; ++r) {
-    const int64_t id = perm[r];
-    if (id >= 0 && id < R) std::memcpy(rows.data() + r * row_bytes, xs + (id / top_k) * row_bytes, row_bytes);
-  }
+  std::vector<char> rows(static_cast<size_t>(R) * row_bytes);
+  permute_rows_cpu(x.untyped_data(), static_cast<const int32_t*>(permutation.untyped_data()), off[p.w.E], R,
+                   row_bytes, top_k, rows.data());
   p.a.data = rows.data();
   grouped_rows_cpu(p, off, R);
   return Error::Success();

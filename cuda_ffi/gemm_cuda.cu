@@ -235,7 +235,7 @@ Error GemmGroupedGatherCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer a_scale,
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
   const int32_t* perm = static_cast<const int32_t*>(permutation.untyped_data());
 #if defined(HUMMING_JAX_FAST_PATHS)
-  const prefill::GatherRows rows{x.untyped_data(), perm, dim(x, 0), top_k};
+  const prefill::GatherRows rows{perm, top_k};  // p.a is x
   bool ran = false;
   const Error err = prefill::try_grouped(call, p, off, R, ws, ws_main, stream, &ran, &rows);
   if (ran || !err.success()) return err;

@@ -374,12 +374,10 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   Kind kind = choose(p, R, dev, /*allow_rs4=*/true, &form);
   if (kind == Kind::kNone) return Error::Success();
   if (gather != nullptr) {
-    // Only our persistent bf16 kernel gathers rows (16-byte copies: x and its rows aligned).
+    // Only our persistent bf16 kernel gathers rows; choose() gave it 16-bit rows of x (p.a) that
+    // are 16-byte aligned, as its cp.async copies need.
     const int sw = gather_switch();
-    const bool gathers = kind == Kind::kBf16Wsp && p.w.type == WeightType::kFloat && p.a.scale == nullptr &&
-                         (form.cluster == 1 ? sw >= 1 : sw == 2) && p.K % 8 == 0 &&
-                         reinterpret_cast<uintptr_t>(gather->x) % 16 == 0 && gather->top_k >= 1;
-    if (!gathers) return Error::Success();
+    if (kind != Kind::kBf16Wsp || !(form.cluster == 1 ? sw >= 1 : sw == 2)) return Error::Success();
   }
   // A workspace without room for the permuted activations of our 4-bit mainloop was sized for
   // another path (the call was traced with HUMMING_JAX_PREFILL_FP4=0 or HUMMING_JAX_PREFILL_U4RS=0):
@@ -412,9 +410,7 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   g.workspace_bytes = ws_bytes;
   if (gather != nullptr) {
     g.gather = gather->perm;
-    g.gather_x = gather->x;
     g.gather_div = gather->top_k;
-    g.gather_rows = gather->M;
   }
   // The 16-bit kinds with quantized weights run on dequantized chunks (fp8 block weights keep
   // their codes: the fp8 kind scales them in the mainloop).

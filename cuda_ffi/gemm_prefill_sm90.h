@@ -167,18 +167,17 @@ struct GroupedArgs {
   // zero_tail: write the zero rows past the last expert (the last chunk only).
   int64_t e0 = 0, groups = -1;
   bool zero_tail = true;
-  // Gathered tokens (kBf16Wsp only): row r of the problem is row gather[r] / gather_div of
-  // gather_x [gather_rows, K] (an id outside [0, R): zeros), and `a` is unused.
+  // Gathered tokens (kBf16Wsp only): `a` holds the token rows [M, K], and row r of the problem is
+  // a's row gather[r] / gather_div (an id outside [0, R): zeros).
   const int32_t* gather = nullptr;
-  const void* gather_x = nullptr;
-  int64_t gather_div = 1, gather_rows = 0;
+  int64_t gather_div = 1;
 };
 
-// Token rows a grouped call gathers itself (gemm_grouped_gather): row r is x[perm[r] / top_k].
+// Token rows a grouped call gathers itself (gemm_grouped_gather): the problem's `a` is x [M, K]
+// and row r is x[perm[r] / top_k].
 struct GatherRows {
-  const void* x = nullptr;  // [M, K], the activations' type
   const int32_t* perm = nullptr;  // [R]
-  int64_t M = 0, top_k = 1;
+  int64_t top_k = 1;
 };
 
 // HUMMING_JAX_PREFILL_GATHER: 0 (default), gemm_grouped_gather permutes the rows into its

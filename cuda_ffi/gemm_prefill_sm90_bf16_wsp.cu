@@ -31,9 +31,11 @@
 //    so GEMM1 reads the routed tokens where they are instead of a permuted copy (R x K written and
 //    read again). The whole producer warpgroup then loads a stage's token rows by 16-byte cp.async
 //    into the 128-byte swizzle's positions (a pair of threads per row, its source row looked up
-//    once per item), one thread the weights' box by TMA; each thread's cp.async arrive on the full barrier counts in
-//    its 1 + 128 arrivals. The consumers fence the generic proxy's writes before their wgmma reads
-//    them. No multicast: each CTA of a cluster loads its tile's rows itself.
+//    once per item), one thread the weights' box by TMA; each thread's cp.async arrival counts in
+//    the full barrier's 1 + 128. The consumers fence the generic proxy's writes before their
+//    wgmma reads them. No multicast: each CTA of a cluster loads its tile's rows itself. Measured
+//    at ~0.6x the TMA path's rate at 256-token tiles (benchmarks/NOTES.md, v17): taken only where
+//    HUMMING_JAX_PREFILL_GATHER asks for it.
 // K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
 // Rounding: acc (float32 over k) + bias, one rounding to bf16, the contract's order.
 #include <cuda_bf16.h>
@@ -142,8 +144,8 @@ __device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t
 // stage it copies 16-byte chunks pt % 2, + 2, + 4, + 6 of each (a pair of threads reads whole
 // 32-byte sectors) to where the 128-byte swizzle puts them (chunk c of row r at c ^ r % 8), and
 // arrives once its copies land; thread 0 also arms the full barrier with the weights' bytes and
-// loads their box by TMA. No shared-memory lookups or barriers in the stage loop: a per-row lookup
-// there (one 16-byte column of every 16th row a thread) ran at half the TMA path's rate (v17).
+// loads their box by TMA. No shared-memory lookups or barriers in the stage loop (a per-row lookup
+// there, one 16-byte column of every 16th row a thread, was 6.5% slower still; v17).
 template <int kMaxTokens, int kCluster>
 __device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0,
                                                  uint32_t bar_full, uint32_t bar_empty, int rank, int pt) {
@@ -310,18 +312,13 @@ std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t s
   using F = Form<kMaxTokens>;
   WspParams<kMaxTokens> W{};
   if (g.gather != nullptr) {
-    W.x = static_cast<const __nv_bfloat16*>(g.gather_x);
+    W.x = static_cast<const __nv_bfloat16*>(g.a);
     W.gather = g.gather;
     W.div = static_cast<int>(g.gather_div);
     W.R = static_cast<int>(g.R);
   }
-  // With gathered tokens the act maps go unused; they are still encoded (over x's rows).
-  GroupedArgs maps = g;
-  if (g.gather != nullptr) {
-    maps.a = g.gather_x;
-    maps.R = g.gather_rows;
-  }
-  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, maps, kBK, F::kRowsCta);
+  // Gathered tokens need no act maps (produce_gathered copies the rows itself).
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, F::kRowsCta, g.gather == nullptr);
   if (e.empty())
     e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm16_wsp_kernel<kMaxTokens, 1>, gemm16_wsp_kernel<kMaxTokens, 2>,
                  cluster, F::kThreads, F::kSmem, dev, stream, "gemm16_wsp_kernel");

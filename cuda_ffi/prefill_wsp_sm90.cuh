@@ -295,17 +295,17 @@ __device__ __forceinline__ void group_item(const Params& W, int4 tile, int n0w, 
   store_group<kWidth>(W, acc, b, tile, n0w, staging, tid);
 }
 
-// The tensor maps of a launch, W.w and W.act[i]: the weights [E, N, K] in boxes of bk x rows_cta,
-// the activations [R, K] in boxes of bk x 8 (i + 1) (half a tile of 16 (i + 1) rows), elements of
-// elem_bytes, 128-byte swizzle. An error message, or empty.
+// The tensor maps of a launch, W.w and (act) W.act[i]: the weights [E, N, K] in boxes of bk x
+// rows_cta, the activations [R, K] in boxes of bk x 8 (i + 1) (half a tile of 16 (i + 1) rows),
+// elements of elem_bytes, 128-byte swizzle. An error message, or empty.
 template <typename Params>
 std::string tensor_maps(Params& W, CUtensorMapDataType type, int elem_bytes, const GroupedArgs& g, uint32_t bk,
-                        uint32_t rows_cta) {
+                        uint32_t rows_cta, bool act = true) {
   if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
   if (!encode_rows_3d(&W.w, type, elem_bytes, g.w, g.K, g.N, g.E, bk, rows_cta, CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
     return "cuTensorMapEncodeTiled failed for the weights";
-  for (size_t i = 0; i < sizeof(W.act) / sizeof(W.act[0]); ++i)
+  for (size_t i = 0; act && i < sizeof(W.act) / sizeof(W.act[0]); ++i)
     if (!encode_rows_3d(&W.act[i], type, elem_bytes, g.a, g.K, g.R, 1, bk, 8 * (i + 1), CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
       return "cuTensorMapEncodeTiled failed for the activations";

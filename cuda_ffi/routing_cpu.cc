@@ -1,9 +1,9 @@
 // CPU handlers of the routing metadata (indexed and grouped layouts) and of the row permutation
 // of the grouped format. Entries are placed in increasing token*k+j order within each expert.
-#include <cstring>
 #include <vector>
 
 #include "ffi_common.h"
+#include "permute_rows_cpu.h"
 
 namespace hj {
 namespace {
@@ -89,21 +89,9 @@ Error PermuteRowsCpu(AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets, Resu
   const std::string call = "permute_rows";
   PermuteShape ps;
   HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &ps));
-  const int64_t cols = ps.cols, R = ps.R;
-  const int32_t* perm = static_cast<const int32_t*>(permutation.untyped_data());
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
-  int64_t valid = off[dim(offsets, 0) - 1];
-  valid = valid < 0 ? 0 : (valid > R ? R : valid);
-  const size_t row_bytes = static_cast<size_t>(cols) * ffi::ByteWidth(x.element_type());
-  const char* xs = static_cast<const char*>(x.untyped_data());
-  char* ys = static_cast<char*>(y->untyped_data());
-  for (int64_t p = 0; p < R; ++p) {
-    const int64_t id = p < valid ? perm[p] : -1;
-    if (id >= 0 && id < R)
-      std::memcpy(ys + p * row_bytes, xs + (id / top_k) * row_bytes, row_bytes);
-    else
-      std::memset(ys + p * row_bytes, 0, row_bytes);
-  }
+  permute_rows_cpu(x.untyped_data(), static_cast<const int32_t*>(permutation.untyped_data()), off[dim(offsets, 0) - 1],
+                   ps.R, static_cast<size_t>(ps.cols) * ffi::ByteWidth(x.element_type()), top_k, y->untyped_data());
   return Error::Success();
 }
 

@@ -346,6 +346,27 @@ inline Error parse_gemm_grouped(const std::string& call, const AnyBuffer& a, con
   return check_grouped_workspace(call, workspace, c, a, a_scale, qweight, scale, zero, scale2, bias, offsets);
 }
 
+// gemm_grouped_gated: the grouped GEMM into c, then y [R, N / 2] = the gated activation of c's rows.
+inline Error parse_gemm_grouped_gated(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
+                                      const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
+                                      const AnyBuffer& scale2, const AnyBuffer& bias, const AnyBuffer& offsets,
+                                      const GemmAttrs& at, int64_t activation, const AnyBuffer& y, const AnyBuffer& c,
+                                      const AnyBuffer& workspace, GemmProblem* p) {
+  if (activation < 0 || activation >= kNumActivations || !activation_is_gated(static_cast<Activation>(activation)))
+    return invalid(call, "activation " + std::to_string(activation) + " is not a gated activation");
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets, at, c,
+                                        workspace, p));
+  if (p->N % 2) return invalid(call, "a gated activation needs an even number of weight rows, got N = " +
+                                         std::to_string(p->N));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {dim(c, 0), p->N / 2}));
+  if (y.element_type() != c.element_type()) return invalid(call, "y must have c's dtype");
+  return check_no_overlap(call, {span_of("y", y)},
+                          {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
+                           span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
+                           span_of("bias", bias), span_of("expert_first_token_offset", offsets),
+                           span_of("c", c), span_of("workspace", workspace)});
+}
+
 // gemm_grouped_gather's room for the permuted rows at the end of its workspace (a path that does
 // not gather permutes x there first): R x K values of `elem_bytes`, plus the slack for aligning its
 // start (humming_jax/ops/gemm.py, gather_copy_bytes).
@@ -475,6 +496,21 @@ auto bind_gemm_grouped() {
       .template Ret<AnyBuffer>()  // c [R, N]
       .template Ret<AnyBuffer>()  // workspace [bytes] uint8: scratch of the CUDA prefill kernel
       HJ_GEMM_ATTRS;
+}
+
+// gemm_grouped_gated(a, a_scale, w..., expert_first_token_offset) -> y, c, workspace:
+// activation(gemm_grouped(a), activation, limit) for a gated activation, y [R, N / 2] (c [R, N]
+// holds the GEMM's rows where a kernel needs them; otherwise its contents are unspecified)
+template <typename PlatformCtx>
+auto bind_gemm_grouped_gated() {
+  return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
+      .template Arg<AnyBuffer>()  // expert_first_token_offset [E + 1]
+      .template Ret<AnyBuffer>()  // y [R, N / 2]
+      .template Ret<AnyBuffer>()  // c [R, N]
+      .template Ret<AnyBuffer>()  // workspace [bytes] uint8
+      HJ_GEMM_ATTRS
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("limit");
 }
 
 // gemm_grouped_gather(x, a_scale, w..., permutation, expert_first_token_offset) -> c, workspace:

@@ -150,6 +150,23 @@ Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
   return Error::Success();
 }
 
+Error GemmGroupedGatedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
+                          AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> y,
+                          Result<AnyBuffer> c, Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n,
+                          int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                          int64_t act_group_k, int64_t activation, float limit) {
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped_gated("gemm_grouped_gated", a, a_scale, qweight, scale, zero, scale2, bias,
+                                              offsets,
+                                              gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                         has_bias, act_group_k),
+                                              activation, *y, *c, *workspace, &p));
+  grouped_rows_cpu(p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0));
+  activate_rows_cpu(p.c_type, c->untyped_data(), dim(*c, 0), p.N, p.N / 2, static_cast<int>(activation), limit,
+                    y->untyped_data());
+  return Error::Success();
+}
+
 Error GemmGroupedGatherCpu(AnyBuffer x, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                            AnyBuffer scale2, AnyBuffer bias, AnyBuffer permutation, AnyBuffer offsets,
                            Result<AnyBuffer> c, Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n,
@@ -227,6 +244,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCpu, hj::GemmIndexedQuantCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCpu, hj::GemmIndexedGatedCpu,
                               hj::bind_gemm_indexed_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatedCpu, hj::GemmGroupedGatedCpu,
+                              hj::bind_gemm_grouped_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatherCpu, hj::GemmGroupedGatherCpu,
                               hj::bind_gemm_grouped_gather<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCpu, hj::GemmBatchedCpu, hj::bind_gemm_batched<void>());

@@ -172,14 +172,17 @@ Error GemmIndexedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, 
 }
 
 // The grouped GEMM of R rows of p.a: the prefill kernel where it suits the problem, else the
-// generic kernel.
+// generic kernel. gate (gemm_grouped_gated): where the prefill kernel writes the activated rows
+// itself, *gated = true (the caller starts it false); otherwise c is written.
 Error grouped_rows(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
-                   void* workspace, size_t ws_bytes, cudaStream_t stream) {
+                   void* workspace, size_t ws_bytes, cudaStream_t stream, const GatedOut* gate = nullptr,
+                   bool* gated = nullptr) {
   if (R > INT32_MAX) return invalid(call, "too many rows");
 #if defined(HUMMING_JAX_FAST_PATHS)
   // Prefill: the CUTLASS grouped GEMM (gemm_prefill_sm90.h) when the problem suits it.
   bool prefill_ran = false;
-  const Error prefill_err = prefill::try_grouped(call, p, offsets, R, workspace, ws_bytes, stream, &prefill_ran);
+  const Error prefill_err =
+      prefill::try_grouped(call, p, offsets, R, workspace, ws_bytes, stream, &prefill_ran, nullptr, gate, gated);
   if (prefill_ran || !prefill_err.success()) return prefill_err;
 #endif
   GemmLaunch L{};
@@ -208,6 +211,27 @@ Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
                                         *c, *workspace, &p));
   return grouped_rows(call, p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0),
                       workspace->untyped_data(), workspace->size_bytes(), stream);
+}
+
+Error GemmGroupedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
+                           AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> y,
+                           Result<AnyBuffer> c, Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n,
+                           int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                           int64_t act_group_k, int64_t activation, float limit) {
+  const std::string call = "gemm_grouped_gated";
+  GemmProblem p;
+  HJ_RETURN_IF_ERROR(parse_gemm_grouped_gated(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets,
+                                              gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
+                                                         has_bias, act_group_k),
+                                              activation, *y, *c, *workspace, &p));
+  const GatedOut gate{static_cast<int>(activation), limit, y->untyped_data()};
+  bool gated = false;
+  HJ_RETURN_IF_ERROR(grouped_rows(call, p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0),
+                                  workspace->untyped_data(), workspace->size_bytes(), stream, &gate, &gated));
+  if (gated) return Error::Success();
+  // The GEMM wrote c: the activation kernel makes y from it.
+  return launch_activation(call, stream, c->untyped_data(), y->untyped_data(), p.c_type, static_cast<int>(activation),
+                           limit, dim(*c, 0), p.N, p.N / 2);
 }
 
 Error GemmGroupedGatherCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
@@ -299,6 +323,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCuda, hj::GemmIndexedGatedCuda,
                               hj::bind_gemm_indexed_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatedCuda, hj::GemmGroupedGatedCuda,
+                              hj::bind_gemm_grouped_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatherCuda, hj::GemmGroupedGatherCuda,
                               hj::bind_gemm_grouped_gather<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmBatchedCuda, hj::GemmBatchedCuda, hj::bind_gemm_batched<hj::CudaStream>(),

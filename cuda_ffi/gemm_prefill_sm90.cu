@@ -364,8 +364,13 @@ Error run_dequantized(const std::string& call, const GroupedArgs& g, const GemmP
 }
 }  // namespace
 
+bool wsp_gates(const WspForm& form, int64_t N, const void* y) {
+  return form.max_tokens == 256 && N % 16 == 0 && aligned_to(y, 16);
+}
+
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
-                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled, const GatherRows* gather) {
+                  void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled, const GatherRows* gather,
+                  const GatedOut* gate, bool* gated) {
   *handled = false;
   if (disabled_by_env()) return Error::Success();
   DeviceInfo dev;
@@ -412,6 +417,11 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
     g.gather = gather->perm;
     g.gather_div = gather->top_k;
   }
+  // choose() gave our bf16 kernel float weights and bf16 rows; the gathered form keeps its
+  // activation apart.
+  const bool gates = gate != nullptr && gated != nullptr && gather == nullptr && kind == Kind::kBf16Wsp &&
+                     wsp_gates(form, p.N, gate->y);
+  if (gates) g.gate = *gate;
   // The 16-bit kinds with quantized weights run on dequantized chunks (fp8 block weights keep
   // their codes: the fp8 kind scales them in the mainloop).
   const Kind wk = wide_kind(kind);
@@ -424,7 +434,9 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
     return run_dequantized(call, g, p, dev, stream, handled);
   }
   *handled = true;
-  return run_grouped(call, g, dev, stream);
+  HJ_RETURN_IF_ERROR(run_grouped(call, g, dev, stream));
+  if (gates) *gated = true;
+  return Error::Success();
 }
 
 }  // namespace prefill

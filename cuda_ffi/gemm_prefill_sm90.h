@@ -15,6 +15,7 @@
 #include <string>
 
 #include "ffi_common.h"
+#include "quantize_cuda.h"
 
 namespace hj {
 namespace prefill {
@@ -171,7 +172,15 @@ struct GroupedArgs {
   // a's row gather[r] / gather_div (an id outside [0, R): zeros).
   const int32_t* gather = nullptr;
   int64_t gather_div = 1;
+  // A gated call (gemm_grouped_gated; kBf16Wsp on tiles of 256 tokens only): y != nullptr makes
+  // the kernel write y [R, N / 2] = act(gate, up) of its rounded output rows instead of c.
+  GatedOut gate{-1, 0.0f, nullptr};
 };
+
+// Whether our persistent bf16 kernel writes the gated rows itself for a call of this form: the
+// 256-token form (two consumer warpgroups: in the halves layout one takes the gate rows, the other
+// the up rows of the same output columns), N / 2 whole 16-byte runs, y 16-byte aligned.
+bool wsp_gates(const WspForm& form, int64_t N, const void* y);
 
 // Token rows a grouped call gathers itself (gemm_grouped_gather): the problem's `a` is x [M, K]
 // and row r is x[perm[r] / top_k].
@@ -220,9 +229,12 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
 // (*handled = true, the result is the call's), else leaves the call to the generic kernel.
 // gather (optional): the call's rows are gathered token rows; the prefill kernel then runs only
 // where it gathers them itself (*handled = false otherwise: the caller permutes them into `a`).
+// gate (optional, with gated): where the kernel applies the gated activation itself (wsp_gates)
+// it writes gate->y and sets *gated (the caller starts it false); otherwise c, and the caller
+// activates it.
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
                   void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled,
-                  const GatherRows* gather = nullptr);
+                  const GatherRows* gather = nullptr, const GatedOut* gate = nullptr, bool* gated = nullptr);
 
 // w' of the contract (gemm_weight: the activation-type rounding of the float32 weight) of experts
 // [e0, e0 + experts) into out [experts, N, K] of the activation type (bf16 or fp16). Needs K % 8 == 0

@@ -36,6 +36,12 @@
 //    wgmma reads them. No multicast: each CTA of a cluster loads its tile's rows itself. Measured
 //    at ~0.6x the TMA path's rate at 256-token tiles (benchmarks/NOTES.md, v17): taken only where
 //    HUMMING_JAX_PREFILL_GATHER asks for it.
+//  * Gated rows (GroupedArgs::gate, gemm_grouped_gated; the 256-token form): the kernel writes
+//    y [R, N / 2] = act(gate, up) of its rounded rows instead of c, both warpgroups' rows staged,
+//    then paired (wsp::store_gated). In the halves layout (gate row i, up row N / 2 + i) the CTA's
+//    block b loads gate rows 64 b + [0, 64) and up rows N / 2 + 64 b + [0, 64) as two boxes, one
+//    for each warpgroup; interleaved (swigluoai: rows 2i, 2i + 1) its 128 rows as usual. The
+//    activation call's pass over c (R x N read, R x N / 2 written) and c's own writes go away.
 // K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
 // Rounding: acc (float32 over k) + bias, one rounding to bf16, the contract's order.
 #include <cuda_bf16.h>
@@ -88,14 +94,19 @@ struct Form : wsp::Groups<kMaxTokens_> {
 std::atomic<uint64_t> g_wsp_launches{0};
 // ... of which with gathered tokens (HjPrefillGatherLaunches).
 std::atomic<uint64_t> g_gather_launches{0};
+// ... of which wrote the gated rows (HjPrefillGatedLaunches).
+std::atomic<uint64_t> g_gated_launches{0};
 
-template <int kMaxTokens>
+// kGate: 0, the kernel writes c; 1 or 2, the gated rows y = act(gate, up) of c's values instead
+// (wsp::store_gated; 1: the halves layout, 2: interleaved). A type of its own per kGate, so that each
+// kernel keeps its own launch statics (wsp::launch).
+template <int kMaxTokens, int kGate = 0>
 struct WspParams {
-  CUtensorMap w;  // [E, N, K] bf16, boxes of 64 k x kRowsCta rows x 1
+  CUtensorMap w;  // [E, N, K] bf16, boxes of 64 k x kRowsCta rows x 1 (kGate 1: x 64 rows)
   // [R, K] bf16, boxes of 64 k x 8 (i + 1) rows: half a tile of 16 (i + 1)
   CUtensorMap act[Form<kMaxTokens>::kActMaps];
   const float* bias;  // [E, N] or nullptr
-  __nv_bfloat16* c;   // [R, N]
+  __nv_bfloat16* c;   // [R, N]; kGate: y [R, N / 2]
   int4* tiles;        // (expert, first row, rows, 0)
   int* count;         // tiles in the list
   int N, K;
@@ -105,6 +116,8 @@ struct WspParams {
   const __nv_bfloat16* x;
   const int32_t* gather;
   int div, R;
+  int gate_act;  // kGate: the Activation code
+  float gate_limit;
 };
 
 constexpr int kGatherThreads = 128;  // the producer warpgroup
@@ -113,9 +126,11 @@ constexpr int kGatherThreads = 128;  // the producer warpgroup
 // and phase run on across items. Each stage: the CTA's kRowsCta weight rows (one box), and half of
 // the tile's tokens (row0 + rank * width / 2), multicast to both CTAs of a cluster of two; a CTA
 // alone loads both halves.
-template <int kMaxTokens, int kCluster>
-__device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0, uint32_t bar_full,
-                                        uint32_t bar_empty, int rank) {
+// kGate 1 (halves): the CTA's block of 128 rows at n0 is the gate rows n0 / 2 + [0, 64) and the
+// up rows N / 2 + n0 / 2 + [0, 64), two boxes (the items' blocks still count N / 128).
+template <int kMaxTokens, int kCluster, int kGate>
+__device__ __forceinline__ void produce(const WspParams<kMaxTokens, kGate>& W, uint32_t w0, uint32_t act0,
+                                        uint32_t bar_full, uint32_t bar_empty, int rank) {
   using F = Form<kMaxTokens>;
   constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes;
   const int KT = (W.K + kBK - 1) / kBK;
@@ -129,7 +144,15 @@ __device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t
       const uint32_t full = bar_full + 8 * slot, act_s = act0 + slot * kActBytes;
       mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
       mbar_arrive_expect_tx(full, tx);
-      wsp::load_stage<kCluster>(w0 + slot * kWBytes, &W.w, act_s, map, kt * kBK, n0, tile, half, kBK * 2, rank, full);
+      if constexpr (kGate == 1) {
+        const uint32_t w_s = w0 + slot * kWBytes;
+        tma_load_3d(w_s, &W.w, kt * kBK, n0 / 2, tile.x, full);
+        tma_load_3d(w_s + kWBytes / 2, &W.w, kt * kBK, W.N / 2 + n0 / 2, tile.x, full);
+        wsp::load_tokens<kCluster>(act_s, map, kt * kBK, tile, half, kBK * 2, rank, full);
+      } else {
+        wsp::load_stage<kCluster>(w0 + slot * kWBytes, &W.w, act_s, map, kt * kBK, n0, tile, half, kBK * 2, rank,
+                                  full);
+      }
       if (++slot == kStages) {
         slot = 0;
         phase ^= 1u;
@@ -147,7 +170,7 @@ __device__ __forceinline__ void produce(const WspParams<kMaxTokens>& W, uint32_t
 // loads their box by TMA. No shared-memory lookups or barriers in the stage loop (a per-row lookup
 // there, one 16-byte column of every 16th row a thread, was 6.5% slower still; v17).
 template <int kMaxTokens, int kCluster>
-__device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens>& W, uint32_t w0, uint32_t act0,
+__device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens, 0>& W, uint32_t w0, uint32_t act0,
                                                  uint32_t bar_full, uint32_t bar_empty, int rank, int pt) {
   using F = Form<kMaxTokens>;
   constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes;
@@ -250,9 +273,9 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
 }
 
 // Grid: a multiple of kCluster CTAs, at most one per SM; cluster c takes items c, c + clusters, ..
-template <int kMaxTokens, int kCluster>
+template <int kMaxTokens, int kCluster, int kGate>
 __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
-    gemm16_wsp_kernel(const __grid_constant__ WspParams<kMaxTokens> W) {
+    gemm16_wsp_kernel(const __grid_constant__ WspParams<kMaxTokens, kGate> W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   using F = Form<kMaxTokens>;
   constexpr int kGroups = F::kGroups, kRowsCta = F::kRowsCta;
@@ -264,15 +287,21 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
-  const bool gathered = W.x != nullptr;
+  static_assert(kGate == 0 || kGroups == 2, "the gated epilogue pairs two consumer warpgroups");
+  const bool gathered = kGate == 0 && W.x != nullptr;
   // full: the producer's expect-tx arrival, and with gathered tokens each producer thread's cp.async one
   wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, gathered ? 1 + kGatherThreads : 1);
   if (tid >= 128 * kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(F::kProducerRegs));
-    if (gathered)
-      produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups);
-    else if (tid == 128 * kGroups)
+    if constexpr (kGate == 0) {
+      if (gathered) {
+        produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups);
+      } else if (tid == 128 * kGroups) {
+        produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
+      }
+    } else if (tid == 128 * kGroups) {
       produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
+    }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(F::kConsumerRegs));
     const int KT = (W.K + kBK - 1) / kBK;
@@ -291,11 +320,25 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
       // of its parts the MMAs cover.
       wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
-        wsp::group_item<kCh * kChunk, kCluster, kStages>(
-            W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
-              consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank,
-                                                 gathered);
-            });
+        if constexpr (kGate == 0) {
+          wsp::group_item<kCh * kChunk, kCluster, kStages>(
+              W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
+                consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank,
+                                                   gathered);
+              });
+        } else {
+          // Both warpgroups run every item (rows past N are the TMA's zeros, never stored): the
+          // epilogue pairs them.
+          const int n0w = kGate == 1 ? (wg == 0 ? n0 / 2 : W.N / 2 + n0 / 2) : n0 + wg * 64;
+          float b[2];
+          wsp::load_bias(W, tile.x, n0w, tid, b);
+          consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, lane, rank,
+                                             false);
+          if (W.bias != nullptr)
+            wsp::store_gated<kGate, kCh * kChunk, true>(W, acc, b, tile.y, tile.z, n0 / 2, staging, tid);
+          else
+            wsp::store_gated<kGate, kCh * kChunk, false>(W, acc, b, tile.y, tile.z, n0 / 2, staging, tid);
+        }
       });
     });
   }
@@ -306,22 +349,28 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
 #endif
 }
 
-// One launch of the form with tiles of up to kMaxTokens tokens; an error message, or empty.
-template <int kMaxTokens>
+// One launch of the form with tiles of up to kMaxTokens tokens and the epilogue kGate; an error
+// message, or empty.
+template <int kMaxTokens, int kGate>
 std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster) {
   using F = Form<kMaxTokens>;
-  WspParams<kMaxTokens> W{};
+  WspParams<kMaxTokens, kGate> W{};
   if (g.gather != nullptr) {
     W.x = static_cast<const __nv_bfloat16*>(g.a);
     W.gather = g.gather;
     W.div = static_cast<int>(g.gather_div);
     W.R = static_cast<int>(g.R);
   }
-  // Gathered tokens need no act maps (produce_gathered copies the rows itself).
-  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, F::kRowsCta, g.gather == nullptr);
+  W.gate_act = g.gate.act;
+  W.gate_limit = g.gate.limit;
+  // Gathered tokens need no act maps (produce_gathered copies the rows itself); the halves layout
+  // loads its 128 rows as two boxes of 64.
+  std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kGate == 1 ? 64 : F::kRowsCta,
+                                   g.gather == nullptr);
   if (e.empty())
-    e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm16_wsp_kernel<kMaxTokens, 1>, gemm16_wsp_kernel<kMaxTokens, 2>,
-                 cluster, F::kThreads, F::kSmem, dev, stream, "gemm16_wsp_kernel");
+    e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm16_wsp_kernel<kMaxTokens, 1, kGate>,
+                 gemm16_wsp_kernel<kMaxTokens, 2, kGate>, cluster, F::kThreads, F::kSmem, dev, stream,
+                 "gemm16_wsp_kernel");
   return e;
 }
 
@@ -332,11 +381,18 @@ size_t wsp_workspace_bytes(int64_t R, int64_t E) { return wsp::list_workspace_by
 std::string run_bf16_wsp(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream, int cluster,
                          int max_tokens) {
   if (max_tokens != 128 && max_tokens != 256) return "the persistent bf16 kernel takes tiles of 128 or 256 tokens";
-  const std::string e =
-      max_tokens == 256 ? run_form<256>(g, dev, stream, cluster) : run_form<128>(g, dev, stream, cluster);
+  const bool gated = g.gate.y != nullptr;
+  if (gated && (max_tokens != 256 || g.gather != nullptr || g.N % 16 != 0))
+    return "the gated epilogue needs tiles of 256 tokens, N % 16 == 0 and token rows read by TMA";
+  const bool oai = static_cast<Activation>(g.gate.act) == Activation::kSwigluOai;
+  const std::string e = !gated ? (max_tokens == 256 ? run_form<256, 0>(g, dev, stream, cluster)
+                                                    : run_form<128, 0>(g, dev, stream, cluster))
+                        : oai  ? run_form<256, 2>(g, dev, stream, cluster)
+                               : run_form<256, 1>(g, dev, stream, cluster);
   if (!e.empty()) return e;
   g_wsp_launches.fetch_add(1, std::memory_order_relaxed);
   if (g.gather != nullptr) g_gather_launches.fetch_add(1, std::memory_order_relaxed);
+  if (gated) g_gated_launches.fetch_add(1, std::memory_order_relaxed);
   return std::string();
 }
 
@@ -351,4 +407,9 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillBf16WspLaunc
 // ... of which read gathered token rows (gemm_grouped_gather).
 extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatherLaunches() {
   return hj::prefill::g_gather_launches.load(std::memory_order_relaxed);
+}
+
+// ... of which wrote the gated rows of gemm_grouped_gated.
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatedLaunches() {
+  return hj::prefill::g_gated_launches.load(std::memory_order_relaxed);
 }

@@ -187,20 +187,25 @@ __device__ __forceinline__ void skip_item(int KT, uint32_t bar_full, uint32_t ba
 }
 
 // A stage's TMA boxes, issued by the producer's one thread after it armed the full barrier `full`:
-// the CTA's weight rows from n0 (one box of w at k0), and the tile's tokens as two halves of `half`
-// rows of row_bytes (box map): each CTA of a cluster of two loads its rank's half, multicast to
-// both; a CTA alone loads both.
+// the CTA's weight rows from n0 (one box of w at k0; load_stage), and the tile's tokens as two
+// halves of `half` rows of row_bytes (box map; load_tokens): each CTA of a cluster of two loads its
+// rank's half, multicast to both; a CTA alone loads both.
 template <int kCluster>
-__device__ __forceinline__ void load_stage(uint32_t w_s, const CUtensorMap* w, uint32_t act_s, const CUtensorMap* map,
-                                           int k0, int n0, int4 tile, int half, int row_bytes, int rank,
-                                           uint32_t full) {
-  tma_load_3d(w_s, w, k0, n0, tile.x, full);
+__device__ __forceinline__ void load_tokens(uint32_t act_s, const CUtensorMap* map, int k0, int4 tile, int half,
+                                            int row_bytes, int rank, uint32_t full) {
   if constexpr (kCluster == 2) {
     tma_load_3d_multicast(act_s + rank * half * row_bytes, map, k0, tile.y + rank * half, 0, full, 0x3);
   } else {
     tma_load_3d(act_s, map, k0, tile.y, 0, full);
     tma_load_3d(act_s + half * row_bytes, map, k0, tile.y + half, 0, full);
   }
+}
+template <int kCluster>
+__device__ __forceinline__ void load_stage(uint32_t w_s, const CUtensorMap* w, uint32_t act_s, const CUtensorMap* map,
+                                           int k0, int n0, int4 tile, int half, int row_bytes, int rank,
+                                           uint32_t full) {
+  tma_load_3d(w_s, w, k0, n0, tile.x, full);
+  load_tokens<kCluster>(act_s, map, k0, tile, half, row_bytes, rank, full);
 }
 
 // The bias of a consumer thread's two weight rows (n0w + warp * 16 + g + 8 h of its warpgroup's 64
@@ -216,22 +221,43 @@ __device__ __forceinline__ void load_bias(const Params& o, int e, int n0w, int t
   }
 }
 
-// A warpgroup's epilogue: acc[4 i + 2 h + q] is weight row n0 + warp * 16 + g + 8 h, token
-// 8 i + 2 t + q of the tile; plus its bias b[h] (kBias), rounded to bf16 in pairs of tokens,
-// staged kPassTokens tokens at a time by transposing stmatrix (each token's 64 rows become one
-// staging row) and stored as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens
-// tid / 8 + 16 k. sync() is the warpgroup's named barrier. o: the kernel's parameters, with c [R, N]
-// bf16 and N (read where used, from the parameter space).
+// A consumer thread's stmatrix address in its warpgroup's staging buffer (tid: its thread in the
+// warpgroup): matrix m = lane >> 3 of an x4 store is token block m >> 1 of the pair, row half m & 1;
+// the lane addresses its token (lane & 7) of it.
+__device__ __forceinline__ uint32_t stage_lane_row(const uint8_t* staging, int tid) {
+  const int warp = tid >> 5, lane = tid & 31, m = lane >> 3;
+  return decode::smem_addr(staging) + ((m >> 1) * 8 + (lane & 7)) * kStageRow + (warp * 16 + 8 * (m & 1)) * 2;
+}
+
+// Pass `pass` of a warpgroup's epilogue into its staging buffer: acc[4 i + 2 h + q] is weight row
+// warp * 16 + g + 8 h of its 64, token 8 i + 2 t + q of the tile; tokens [kPassTokens pass, + kPassTokens)
+// plus the bias b[h] (kBias), rounded to bf16 in pairs of tokens, by transposing stmatrix: each
+// token's 64 rows become one staging row.
+template <bool kBias, int kAcc>
+__device__ __forceinline__ void stage_pass(const float (&acc)[kAcc], const float (&b)[2], int pass, uint32_t lane_row) {
+#pragma unroll
+  for (int s = 0; s < kPassTokens / 16; ++s) {
+    uint32_t r[4];
+#pragma unroll
+    for (int mm = 0; mm < 4; ++mm) {
+      const int i = pass * (kPassTokens / 8) + 2 * s + (mm >> 1), h = mm & 1;
+      const float lo = acc[4 * i + 2 * h], hi = acc[4 * i + 2 * h + 1];
+      const __nv_bfloat162 v = kBias ? __floats2bfloat162_rn(lo + b[h], hi + b[h]) : __floats2bfloat162_rn(lo, hi);
+      r[mm] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+    stmatrix_x4_trans(lane_row + s * 16 * kStageRow, r);
+  }
+}
+
+// A warpgroup's epilogue: its rows n0 + [0, 64) (stage_pass), kPassTokens tokens at a time, stored
+// as 16-byte row chunks: thread tid stores chunk tid % 8 of tokens tid / 8 + 16 k. sync() is the
+// warpgroup's named barrier. o: the kernel's parameters, with c [R, N] bf16 and N (read where
+// used, from the parameter space).
 template <int kWidth, bool kBias, typename Params, typename Sync, int kAcc>
 __device__ __forceinline__ void store(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
                                       int rows, int n0, uint8_t* staging, int tid, Sync sync) {
   const int N = o.N;
-  const int warp = tid >> 5, lane = tid & 31;
-  // Matrix m = lane >> 3 of an x4 store: token block m >> 1 of the pair, row half m & 1; the lane
-  // addresses its token (lane & 7) of it.
-  const int m = lane >> 3;
-  const uint32_t lane_row =
-      decode::smem_addr(staging) + ((m >> 1) * 8 + (lane & 7)) * kStageRow + (warp * 16 + 8 * (m & 1)) * 2;
+  const uint32_t lane_row = stage_lane_row(staging, tid);
   constexpr int kRowsPerStore = 128 / 8;  // tokens one pass of the warpgroup's 16-byte stores covers
   const int cc = tid & 7, tok0 = tid >> 3;
   const bool col_ok = n0 + cc * 8 < N;
@@ -241,18 +267,7 @@ __device__ __forceinline__ void store(const Params& o, const float (&acc)[kAcc],
 #pragma unroll
   for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
     sync();  // the previous pass's reads are done
-#pragma unroll
-    for (int s = 0; s < kPassTokens / 16; ++s) {
-      uint32_t r[4];
-#pragma unroll
-      for (int mm = 0; mm < 4; ++mm) {
-        const int i = pass * (kPassTokens / 8) + 2 * s + (mm >> 1), h = mm & 1;
-        const float lo = acc[4 * i + 2 * h], hi = acc[4 * i + 2 * h + 1];
-        const __nv_bfloat162 v = kBias ? __floats2bfloat162_rn(lo + b[h], hi + b[h]) : __floats2bfloat162_rn(lo, hi);
-        r[mm] = *reinterpret_cast<const uint32_t*>(&v);
-      }
-      stmatrix_x4_trans(lane_row + s * 16 * kStageRow, r);
-    }
+    stage_pass<kBias>(acc, b, pass, lane_row);
     sync();
 #pragma unroll
     for (int k = 0; k < kPassTokens / kRowsPerStore; ++k) {
@@ -275,6 +290,67 @@ __device__ __forceinline__ void store_group(const Params& o, const float (&acc)[
     store<kWidth, true>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
   else
     store<kWidth, false>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
+}
+
+// The named barrier of the two consumer warpgroups' gated epilogue (1 .. 3: the warpgroups' own).
+constexpr int kGatedBarrier = 5;
+
+// The gated epilogue of a kernel with two consumer warpgroups (tid: 0 .. 255) over one item: each
+// warpgroup stages its 64 rows a pass (stage_pass: the values c would hold), then the pair writes
+// y [R, N / 2] = act(gate, up) of them, 8 output columns (16 bytes) of one token a thread, rounded as
+// the activation kernel rounds (the same contract functions: its values, bit for bit).
+//  kGate 1, halves: warpgroup 0 holds gate rows j0 + [0, 64), warpgroup 1 the up rows
+//  N / 2 + j0 + [0, 64): output column j0 + j is row j of both stagings.
+//  kGate 2, interleaved (swigluoai): the CTA's 128 rows are 2 j0 + [0, 128), output column j0 + j
+//  is rows 2 j (gate) and 2 j + 1 (up): columns 8 ob .. 8 ob + 7 are 16-byte chunks 2 (ob % 4) and
+//  2 (ob % 4) + 1 of warpgroup ob / 4's staging.
+template <int kGate, int kWidth, bool kBias, typename Params, int kAcc>
+__device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
+                                            int rows, int j0, uint8_t* staging, int tid) {
+  static_assert(kGate == 1 || kGate == 2, "gated layouts");
+  const int I = o.N / 2;
+  auto sync = [] { asm volatile("bar.sync %0, 256;\n" ::"n"(kGatedBarrier) : "memory"); };
+  const uint32_t lane_row = stage_lane_row(staging + (tid >> 7) * kStagingBytes, tid & 127);
+  const int ob = tid & 7, tok0 = tid >> 3;  // kPassTokens tokens a pass, one a thread
+  const bool col_ok = j0 + ob * 8 < I;
+  __nv_bfloat16* out = o.c + static_cast<int64_t>(row0 + tok0) * I + j0 + ob * 8;
+  const uint8_t* row = staging + tok0 * kStageRow;
+  const uint8_t* first = kGate == 1 ? row + ob * 16 : row + (ob >> 2) * kStagingBytes + (ob & 3) * 32;
+  const uint8_t* second = kGate == 1 ? first + kStagingBytes : first + 16;
+  const Activation act = static_cast<Activation>(o.gate_act);
+  const float limit = o.gate_limit;
+#pragma unroll
+  for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
+    sync();  // the previous pass's reads are done
+    stage_pass<kBias>(acc, b, pass, lane_row);
+    sync();
+    if (pass * kPassTokens + tok0 < rows && col_ok) {
+      const uint4 p = *reinterpret_cast<const uint4*>(first), q = *reinterpret_cast<const uint4*>(second);
+      const uint32_t pw[4] = {p.x, p.y, p.z, p.w}, qw[4] = {q.x, q.y, q.z, q.w};
+      float g[8], u[8];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kGate == 1) {
+          g[2 * e] = half_to_float<ElemType::kBF16>(pw[e] & 0xffffu);
+          g[2 * e + 1] = half_to_float<ElemType::kBF16>(pw[e] >> 16);
+          u[2 * e] = half_to_float<ElemType::kBF16>(qw[e] & 0xffffu);
+          u[2 * e + 1] = half_to_float<ElemType::kBF16>(qw[e] >> 16);
+        } else {
+          g[e] = half_to_float<ElemType::kBF16>(pw[e] & 0xffffu);
+          u[e] = half_to_float<ElemType::kBF16>(pw[e] >> 16);
+          g[e + 4] = half_to_float<ElemType::kBF16>(qw[e] & 0xffffu);
+          u[e + 4] = half_to_float<ElemType::kBF16>(qw[e] >> 16);
+        }
+      }
+      uint32_t r[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        r[e] = pack_half2<ElemType::kBF16>(activation_gated(act, g[2 * e], u[2 * e], limit),
+                                           activation_gated(act, g[2 * e + 1], u[2 * e + 1], limit));
+      *reinterpret_cast<uint4*>(out) = make_uint4(r[0], r[1], r[2], r[3]);
+    }
+    out += static_cast<int64_t>(kPassTokens) * I;
+  }
 }
 
 // A consumer warpgroup's item: past N, its stages only waited for and released (the predicate
@@ -372,13 +448,16 @@ std::string run(const GroupedArgs& g, Params& W, int rows_cta, int max_tokens, v
   W.count = reinterpret_cast<int*>(ws);
   W.tiles = reinterpret_cast<int4*>(ws + 128);
   W.bias = g.bias;
-  W.c = static_cast<__nv_bfloat16*>(g.c);
+  // A gated call's kernel writes y [R, N / 2] (and the zero rows there) instead of c.
+  void* out = g.gate.y != nullptr ? g.gate.y : g.c;
+  const int64_t out_cols = g.gate.y != nullptr ? g.N / 2 : g.N;
+  W.c = static_cast<__nv_bfloat16*>(out);
   W.N = static_cast<int>(g.N);
   W.K = static_cast<int>(g.K);
   const int64_t nb = (g.N + rows_cta - 1) / rows_cta, pairs = (nb + cluster - 1) / cluster;
   W.group = tile_group(pairs, dev.sm_count / cluster);
   const std::string e =
-      launch_tile_list(g.offsets, g.E, g.R, g.N, max_tokens, kChunk, W.tiles, W.count, g.c, dev.sm_count, stream);
+      launch_tile_list(g.offsets, g.E, g.R, out_cols, max_tokens, kChunk, W.tiles, W.count, out, dev.sm_count, stream);
   if (!e.empty()) return e;
   return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device,
                 dev.sm_count, stream, name);

@@ -14,6 +14,7 @@ XLA_FFI_Error* HjGemmIndexedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedQuantCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedGatedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* HjGemmGroupedGatedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedGatherCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmBatchedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmBatchedIntoCpu(XLA_FFI_CallFrame*);
@@ -40,6 +41,7 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["gemm_indexed_quant"] = encapsulate(HjGemmIndexedQuantCpu);
     d["gemm_indexed_gated"] = encapsulate(HjGemmIndexedGatedCpu);
     d["gemm_grouped"] = encapsulate(HjGemmGroupedCpu);
+    d["gemm_grouped_gated"] = encapsulate(HjGemmGroupedGatedCpu);
     d["gemm_grouped_gather"] = encapsulate(HjGemmGroupedGatherCpu);
     d["gemm_batched"] = encapsulate(HjGemmBatchedCpu);
     d["gemm_batched_into"] = encapsulate(HjGemmBatchedIntoCpu);

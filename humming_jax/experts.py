@@ -237,11 +237,12 @@ def fused_input_quant() -> bool:
 
 
 def fused_activation() -> bool:
-    """Whether the indexed class with 16-bit activations and a gated activation applies it in
-    GEMM1's call (``gemm_indexed_gated``: the GEMM writes act(gate, up); the default) rather than
-    in a call of its own. Read at trace time from ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``: the
-    separate call, for A/B timing; ``1``: the default). The values are the same either way, except
-    on a GPU for the halves layout where GEMM1's K split differs (see ``gemm_indexed_gated``)."""
+    """Whether the indexed and grouped classes with 16-bit activations and a gated activation
+    apply it in GEMM1's call (``gemm_indexed_gated``, ``gemm_grouped_gated``: the GEMM writes
+    act(gate, up); the default) rather than in a call of their own. Read at trace time from
+    ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``: the separate call, for A/B timing; ``1``: the
+    default). The values are the same either way, except on a GPU for the indexed class's halves
+    layout where GEMM1's K split differs (see ``gemm_indexed_gated``)."""
     v = os.environ.get("HUMMING_JAX_FUSED_ACTIVATION", "1")
     if v not in ("0", "1"):
         raise ValueError(f"HUMMING_JAX_FUSED_ACTIVATION={v!r}: expected 0 or 1")
@@ -300,6 +301,12 @@ class GroupedExperts(_StandardExperts):
             # GEMM1 reads the token rows through the permutation ($HUMMING_JAX_PREFILL_GATHER).
             gu = gemm_ops.gemm_grouped_gather(x, weights.w13, weights.b13, routing.permutation, offsets, k,
                                               out_dtype=x.dtype)
+        elif quant is None and get_activation(activation, limit)[0].gated and fused_activation():
+            # GEMM1 writes the activated rows (its epilogue pairs gate and up).
+            a2 = gemm_ops.gemm_grouped_gated(routing_ops.permute_rows(x, routing, k), weights.w13, weights.b13,
+                                             offsets, out_dtype=x.dtype, activation=activation, limit=limit)
+            d = gemm_ops.gemm_grouped(a2, None, weights.w2, weights.b2, offsets, out_dtype=x.dtype)
+            return d, routing.src_rows
         elif quant is None:
             gu = gemm_ops.gemm_grouped(routing_ops.permute_rows(x, routing, k), None, weights.w13, weights.b13,
                                        offsets, out_dtype=x.dtype)

@@ -230,3 +230,33 @@ def indexed_gated_forms(
 
     return fn, (x, ids, w, bias)
 
+
+
+def grouped_gated_forms(
+    rng: np.random.Generator,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    dtype: Any,
+    ids: jax.Array,
+    activation: str,
+    limit: float | None = None,
+    expert_map: jax.Array | None = None,
+) -> tuple[Callable[..., dict], tuple]:
+    """One random GEMM1 of the grouped class both ways: ``gemm_grouped_gated`` (the gated activation
+    of the GEMM's rows in its call) and ``gemm_grouped`` + ``activation``, over the token rows
+    permuted by ``routing_grouped``. Returns (fn, operands); fn(x, ids, w, bias) gives a dict:
+    fused, two, src (0 for the rows the routing fills, -1 for those past the last offset), offsets."""
+    e = w.num_experts
+    m, k = ids.shape
+    x = _token_rows(rng, m, w.k, 1.0, dtype)
+
+    def fn(x, ids, w, bias):
+        r = routing_ops.routing_grouped(ids, expert_map, e)
+        a = routing_ops.permute_rows(x, r, k)
+        off = r.expert_first_token_offset
+        fused = gemm_ops.gemm_grouped_gated(a, w, bias, off, out_dtype=dtype, activation=activation, limit=limit)
+        two = act_ops.activation(gemm_ops.gemm_grouped(a, None, w, bias, off, out_dtype=dtype), activation, limit)
+        src = jnp.where(jnp.arange(m * k) < off[-1], 0, -1)
+        return dict(fused=fused, two=two, src=src, offsets=off)
+
+    return fn, (x, ids, w, bias)

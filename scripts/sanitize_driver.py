@@ -67,10 +67,11 @@ def custom_weight(wtype, e, n, k, gk, **kw):
     return random_packed_weight(rng, wtype, e, n, k, gk, **kw)
 
 
-def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather=False):
+def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather=False, gated=None):
     """One grouped prefill GEMM: routing, permutation, (quantization,) gemm_grouped; ``experts`` are
     the ids drawn (others receive nothing), 5% of the entries padding. ``gather`` (16-bit
-    activations): gemm_grouped_gather instead, the rows read through the permutation."""
+    activations): gemm_grouped_gather instead, the rows read through the permutation. ``gated`` (a
+    gated activation, 16-bit activations): gemm_grouped_gated, the activation in the GEMM's call."""
     spec = SCHEMES[scheme]
     w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
@@ -85,6 +86,9 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather
             return gemm_ops.gemm_grouped_gather(x, w, bias, r.permutation, r.expert_first_token_offset, topk,
                                                 out_dtype=spec.default_dtype)
         xp = routing_ops.permute_rows(x, r, topk)
+        if gated and quant is None:
+            return gemm_ops.gemm_grouped_gated(xp, w, bias, r.expert_first_token_offset, out_dtype=spec.default_dtype,
+                                               activation=gated, limit=7.0 if gated == "swigluoai" else None)
         a, s = act_ops.quantize(xp, *quant) if quant else (xp, None)
         return gemm_ops.gemm_grouped(a, s, w, bias if quant is None else None, r.expert_first_token_offset,
                                      out_dtype=spec.default_dtype, act_group_k=quant[1] if quant else 0)
@@ -117,6 +121,8 @@ def wsp_many_items():
     two tiles each; N = 600 / 512, the last weight block partial; a partial last k stage for bf16)."""
     prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64))
     prefill_grouped("bf16", 2400, e=64, n=600, k=328, topk=4, experts=range(64), gather=True)
+    for act in ("silu", "swigluoai"):  # the gated epilogue (N / 2 = 296: a last block part past it)
+        prefill_grouped("bf16", 2400, e=64, n=592, k=328, topk=4, experts=range(64), gated=act)
     fp8_ring_case("across")
 
 
@@ -164,6 +170,7 @@ def main() -> None:
             prefill_grouped(scheme, m)
         prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8))
         prefill_grouped("bf16", 200, e=8, n=264, k=136, topk=3, experts=range(8), gather=True)
+        prefill_grouped("bf16", 1200, gated="silu")  # the gated epilogue on clusters of two (the rule's form 4)
         wsp_many_items()
         print(f"sanitize_driver: {calls} jitted calls completed (--wsp)")
         return
@@ -229,6 +236,8 @@ def main() -> None:
         prefill_grouped(scheme, m)
     for m in (1200, 300, 60):  # GEMM1's gathered rows (clusters of two at 1200, one CTA per SM below)
         prefill_grouped("bf16", m, gather=True)
+    for m, act in itertools.product((1200, 300), ("silu", "swigluoai")):  # the gated epilogue, both clusters
+        prefill_grouped("bf16", m, gated=act)
     rs4_many_items()
     wsp_many_items()
     # Activation, fused quantization, quantization, finalize.
@@ -260,7 +269,8 @@ def main() -> None:
             wts, cnt)
     counts = {name: (fn() if fn else None) for name in ("HjDecodeLaunches", "HjDecodeRingLaunches",
                                                               "HjDecodeQuantLaunches", "HjDecodeGatedLaunches",
-                                                              "HjPrefillLaunches", "HjPrefillGatherLaunches")
+                                                              "HjPrefillLaunches", "HjPrefillGatherLaunches",
+                                                              "HjPrefillGatedLaunches")
               for fn in [hj._ffi.launch_counter(name)]}
     print(f"sanitize_driver: {calls} jitted calls completed; fast-path launches {counts}")
 

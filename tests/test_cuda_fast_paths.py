@@ -576,6 +576,104 @@ def test_prefill_gather_switch_picks_the_forms(rng, monkeypatch):
         assert gathered.count == int(gathers), f"switch {switch} form {form}"
 
 
+def _gated_call(x, ids, emap, w, b, e, k, activation, limit):
+    """GEMM1 of the grouped class both ways: gemm_grouped_gated, and gemm_grouped + activation."""
+    r = routing_ops.routing_grouped(ids, emap, e)
+    a, off = routing_ops.permute_rows(x, r, k), r.expert_first_token_offset
+    fused = gemm_ops.gemm_grouped_gated(a, w, b, off, out_dtype=x.dtype, activation=activation, limit=limit)
+    two = act_ops.activation(gemm_ops.gemm_grouped(a, None, w, b, off, out_dtype=x.dtype), activation, limit)
+    return fused, two, off
+
+
+def _gated_inputs(rng, m, k, e, n, kdim, kind):
+    w = SCHEMES["bf16"].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), jnp.bfloat16)
+    return x, _routing_ids(rng, m, k, e, kind), _expert_map(e, kind), w, b
+
+
+def _run_gated(args, e, k, activation, limit):
+    """One jitted gated call on the GPU (its results' memory poisoned with NaN first): (fused, two,
+    offsets) as NumPy, and the launches of the gated epilogue and of the persistent kernel."""
+    junk = jax.device_put(jnp.full((args[0].shape[0] * k, args[3].n), jnp.nan, jnp.bfloat16), GPU)
+    junk.block_until_ready()
+    del junk
+    f = jax.jit(_gated_call, static_argnums=(5, 6, 7, 8))
+    with _LaunchCount(_ffi.launch_counter("HjPrefillGatedLaunches")) as gated, \
+            _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+        fused, two, off = jax.block_until_ready(f(*args, e, k, activation, limit))
+    return (_to_np(fused), _to_np(two), np.asarray(off)), gated.count, ours.count
+
+
+@requires_prefill
+@pytest.mark.parametrize("form", ["3", "4"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu_tanh", None)])
+@pytest.mark.parametrize("m,k,e,n,kdim,kind", [
+    (1024, 4, 16, 400, 136, "tail"),  # N / 2 = 200: a last block part past it; K tail; dropped ids
+    (2048, 8, 64, 384, 256, "zero_rows"),  # experts without rows
+    (1024, 1, 8, 256, 512, "one_expert"),  # one expert's rows over many tiles
+])
+def test_prefill_gated_epilogue_equals_two_calls(rng, monkeypatch, form, activation, limit, m, k, e, n, kdim, kind):
+    """gemm_grouped_gated on the persistent bf16 kernel's 256-token forms writes act(gate, up) of its
+    rounded rows (the halves layout: gate and up rows in the CTA's two warpgroups; swigluoai's
+    interleaved rows): bit for bit gemm_grouped + the activation kernel on the same kernel, equal
+    to the CPU, rows past the last offset zeros."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    args = _gated_inputs(rng, m, k, e, n, kdim, kind)
+    (fused, two, off), gated, ours = _run_gated(jax.device_put(args, GPU), e, k, activation, limit)
+    assert gated == 1, f"{gated} gated launches"
+    assert ours == 2, f"{ours} launches of the persistent kernel (the gated call and the plain one)"
+    assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
+    np.testing.assert_array_equal(fused, two, err_msg="the gated epilogue differs from GEMM + activation")
+    want, _, _ = jax.jit(_gated_call, static_argnums=(5, 6, 7, 8))(*jax.device_put(args, CPU), e, k, activation,
+                                                                    limit)
+    _assert_close(fused, _to_np(want), jnp.bfloat16, f"form {form} {activation} {kind}")
+    last = int(off[-1])
+    assert last < m * k or kind != "tail"
+    assert np.all(fused[last:] == 0.0), "rows past the last expert must be zeros"
+
+
+@requires_prefill
+@pytest.mark.parametrize("form,n", [("1", 256), ("2", 256), ("3", 408), ("0", 256)])
+def test_prefill_gated_call_activates_apart_where_the_epilogue_cannot(rng, monkeypatch, form, n):
+    """Where the kernel has no gated epilogue (the 128-token forms, N / 2 not whole 16-byte runs, the
+    CUTLASS kind) gemm_grouped_gated runs the GEMM, then the activation kernel: the same bits."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    args = jax.device_put(_gated_inputs(rng, 1024, 2, 8, n, 256, "uniform"), GPU)
+    (fused, two, _), gated, _ = _run_gated(args, 8, 2, "silu", None)
+    assert gated == 0, f"{gated} gated launches"
+    assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
+    np.testing.assert_array_equal(fused, two)
+
+
+@requires_prefill
+def test_grouped_layer_gates_in_gemm1_and_matches_the_reference(rng, monkeypatch):
+    """The grouped class at a prefill size by default: GEMM1's kernel writes the activated rows (one
+    gated launch a call), bit for bit the separate activation ($HUMMING_JAX_FUSED_ACTIVATION=0),
+    within bf16 rounding of the float reference."""
+    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_GATHER, gemm_ops.ENV_PREFILL_MIN_ROWS,
+                "HUMMING_JAX_FUSED_ACTIVATION"):
+        monkeypatch.delenv(var, raising=False)
+    layer = random_layer(rng, m=1024, e=16, h=512, i=256, k=4, bias=True)
+    args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
+    # The switch is read when the class is traced: a fresh function each time.
+    run = lambda: jax.block_until_ready(jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids, gemm_type="grouped"))(*args))
+    with _LaunchCount(_ffi.launch_counter("HjPrefillGatedLaunches")) as gated:
+        got = run()
+    assert gated.count == 1, f"{gated.count} gated launches"
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
+    with _LaunchCount(_ffi.launch_counter("HjPrefillGatedLaunches")) as gated:
+        apart = run()
+    assert gated.count == 0
+    np.testing.assert_array_equal(_to_np(got), _to_np(apart))
+    from conftest import reference
+
+    ref = reference(layer, b13=layer.weights.b13, b2=layer.weights.b2)
+    assert relative_error(got, ref) < 1.2e-2
+
+
 @requires_prefill
 def test_grouped_layer_gathers_with_the_switch_and_matches_the_reference(rng, monkeypatch):
     """The grouped class at a prefill size with $HUMMING_JAX_PREFILL_GATHER=1: GEMM1 gathers its

@@ -479,6 +479,44 @@ def gemm_grouped(
     return c
 
 
+def gemm_grouped_gated(
+    a: jax.Array,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    expert_first_token_offset: jax.Array,
+    *,
+    out_dtype: Any,
+    activation: str,
+    limit: float | None = None,
+) -> jax.Array:
+    """``activation(gemm_grouped(a, None, w, ...), activation, limit)`` for a gated activation in
+    one call: [R, N / 2], rows past off[E] zeros. On the GPU the persistent bf16 kernel's epilogue
+    activates each row's gate and up values where it takes the call on tiles of 256 tokens (N a
+    multiple of 16); elsewhere the GEMM's rows go through the activation kernel. The values are the
+    two calls', bit for bit: the epilogue rounds the GEMM's values as it would store them first."""
+    spec, lim = get_activation(activation, limit)
+    if not spec.gated:
+        raise ValueError(f"gemm_grouped_gated needs a gated activation, got {activation!r}")
+    if w.n % 2:
+        raise ValueError(f"a gated activation needs an even number of weight rows, got N = {w.n}")
+    ops, attrs = _operands(a, None, w, bias, 0)
+    rows = a.shape[0]
+    y, _c, _workspace = _ffi.call(
+        "gemm_grouped_gated",
+        (
+            jax.ShapeDtypeStruct((rows, w.n // 2), out_dtype),
+            jax.ShapeDtypeStruct((rows, w.n), out_dtype),
+            jax.ShapeDtypeStruct((_grouped_workspace(rows, a.dtype, None, w, out_dtype),), jnp.uint8),
+        ),
+        *ops,
+        expert_first_token_offset,
+        activation=int(spec.code),
+        limit=lim,
+        **attrs,
+    )
+    return y
+
+
 # HUMMING_JAX_PREFILL_GATHER: 0 or unset, the grouped class permutes its token rows (permute_rows)
 # before GEMM1; 1, its GEMM1 is gemm_grouped_gather, whose persistent bf16 kernel gathers the rows
 # itself on clusters of one CTA; 2, also on clusters of two (cuda_ffi/gemm_prefill_sm90.h,

@@ -304,10 +304,14 @@ constexpr int kGatedBarrier = 5;
 //  kGate 2, interleaved (swigluoai): the CTA's 128 rows are 2 j0 + [0, 128), output column j0 + j
 //  is rows 2 j (gate) and 2 j + 1 (up): columns 8 ob .. 8 ob + 7 are 16-byte chunks 2 (ob % 4) and
 //  2 (ob % 4) + 1 of warpgroup ob / 4's staging.
-template <int kGate, int kWidth, bool kBias, typename Params, int kAcc>
-__device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
-                                            int rows, int j0, uint8_t* staging, int tid) {
+// The activation is a template argument: each pass's code holds its one activation (the first
+// form, a runtime switch in every value's code, ran the layer 1.1-1.65x slower; benchmarks/NOTES.md,
+// v18).
+template <int kGate, Activation kAct, int kWidth, bool kBias, typename Params, int kAcc>
+__device__ __forceinline__ void store_gated_as(const Params& o, const float (&acc)[kAcc], const float (&b)[2],
+                                               int row0, int rows, int j0, uint8_t* staging, int tid) {
   static_assert(kGate == 1 || kGate == 2, "gated layouts");
+  constexpr int kPasses = (kWidth + kPassTokens - 1) / kPassTokens;
   const int I = o.N / 2;
   auto sync = [] { asm volatile("bar.sync %0, 256;\n" ::"n"(kGatedBarrier) : "memory"); };
   const uint32_t lane_row = stage_lane_row(staging + (tid >> 7) * kStagingBytes, tid & 127);
@@ -317,10 +321,9 @@ __device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[
   const uint8_t* row = staging + tok0 * kStageRow;
   const uint8_t* first = kGate == 1 ? row + ob * 16 : row + (ob >> 2) * kStagingBytes + (ob & 3) * 32;
   const uint8_t* second = kGate == 1 ? first + kStagingBytes : first + 16;
-  const Activation act = static_cast<Activation>(o.gate_act);
   const float limit = o.gate_limit;
 #pragma unroll
-  for (int pass = 0; pass < (kWidth + kPassTokens - 1) / kPassTokens; ++pass) {
+  for (int pass = 0; pass < kPasses; ++pass) {
     sync();  // the previous pass's reads are done
     stage_pass<kBias>(acc, b, pass, lane_row);
     sync();
@@ -345,11 +348,33 @@ __device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[
       uint32_t r[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        r[e] = pack_half2<ElemType::kBF16>(activation_gated(act, g[2 * e], u[2 * e], limit),
-                                           activation_gated(act, g[2 * e + 1], u[2 * e + 1], limit));
+        r[e] = pack_half2<ElemType::kBF16>(activation_gated(kAct, g[2 * e], u[2 * e], limit),
+                                           activation_gated(kAct, g[2 * e + 1], u[2 * e + 1], limit));
       *reinterpret_cast<uint4*>(out) = make_uint4(r[0], r[1], r[2], r[3]);
     }
     out += static_cast<int64_t>(kPassTokens) * I;
+  }
+}
+
+// store_gated_as for the item's activation (o.gate_act): the halves layout's silu, gelu and
+// gelu_tanh, or swigluoai's interleaved rows.
+template <int kGate, int kWidth, bool kBias, typename Params, int kAcc>
+__device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
+                                            int rows, int j0, uint8_t* staging, int tid) {
+  if constexpr (kGate == 2) {
+    store_gated_as<2, Activation::kSwigluOai, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+  } else {
+    switch (static_cast<Activation>(o.gate_act)) {
+      case Activation::kGelu:
+        store_gated_as<1, Activation::kGelu, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+        break;
+      case Activation::kGeluTanh:
+        store_gated_as<1, Activation::kGeluTanh, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+        break;
+      default:
+        store_gated_as<1, Activation::kSilu, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+        break;
+    }
   }
 }
 

@@ -236,17 +236,18 @@ def fused_input_quant() -> bool:
     return os.environ.get("HUMMING_JAX_FUSED_INPUT_QUANT", "1") != "0"
 
 
-def fused_activation() -> bool:
-    """Whether the indexed and grouped classes with 16-bit activations and a gated activation
-    apply it in GEMM1's call (``gemm_indexed_gated``, ``gemm_grouped_gated``: the GEMM writes
-    act(gate, up); the default) rather than in a call of their own. Read at trace time from
-    ``HUMMING_JAX_FUSED_ACTIVATION`` (``0``: the separate call, for A/B timing; ``1``: the
-    default). The values are the same either way, except on a GPU for the indexed class's halves
-    layout where GEMM1's K split differs (see ``gemm_indexed_gated``)."""
+def fused_activation() -> int:
+    """Where a gated activation with 16-bit activations is applied in GEMM1's call (the GEMM writes
+    act(gate, up)) rather than in a call of its own: 0, nowhere; 1 (the default), in the indexed
+    class (``gemm_indexed_gated``); 2, also in the grouped class (``gemm_grouped_gated``: opt-in,
+    measured 0.90-1.01x the separate call at prefill sizes on the H100, benchmarks/NOTES.md v18).
+    Read at trace time from ``HUMMING_JAX_FUSED_ACTIVATION``. The values are the same either way,
+    except on a GPU for the indexed class's halves layout where GEMM1's K split differs (see
+    ``gemm_indexed_gated``)."""
     v = os.environ.get("HUMMING_JAX_FUSED_ACTIVATION", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"HUMMING_JAX_FUSED_ACTIVATION={v!r}: expected 0 or 1")
-    return v == "1"
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"HUMMING_JAX_FUSED_ACTIVATION={v!r}: expected 0, 1 or 2")
+    return int(v)
 
 
 class IndexedExperts(_StandardExperts):
@@ -270,7 +271,7 @@ class IndexedExperts(_StandardExperts):
                 gu, weights.w2, weights.b2, routing, gather_div=1, activation=activation, limit=limit, **fq
             )
             return d, routing.src_rows
-        if quant is None and get_activation(activation, limit)[0].gated and fused_activation():
+        if quant is None and get_activation(activation, limit)[0].gated and fused_activation() >= 1:
             # GEMM1 writes the activated rows (its epilogue pairs gate and up).
             a2 = gemm_ops.gemm_indexed_gated(
                 x, None, weights.w13, weights.b13, routing, gather_div=k, activation=activation, limit=limit, **common
@@ -301,7 +302,7 @@ class GroupedExperts(_StandardExperts):
             # GEMM1 reads the token rows through the permutation ($HUMMING_JAX_PREFILL_GATHER).
             gu = gemm_ops.gemm_grouped_gather(x, weights.w13, weights.b13, routing.permutation, offsets, k,
                                               out_dtype=x.dtype)
-        elif quant is None and get_activation(activation, limit)[0].gated and fused_activation():
+        elif quant is None and get_activation(activation, limit)[0].gated and fused_activation() >= 2:
             # GEMM1 writes the activated rows (its epilogue pairs gate and up).
             a2 = gemm_ops.gemm_grouped_gated(routing_ops.permute_rows(x, routing, k), weights.w13, weights.b13,
                                              offsets, out_dtype=x.dtype, activation=activation, limit=limit)

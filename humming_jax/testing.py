@@ -188,7 +188,7 @@ def distinct_topk_ids(rng: np.random.Generator, m: int, k: int, e: int, pad: flo
 
 
 def assert_fused_equals_two(got: dict, *, exact: bool = True) -> None:
-    """indexed_quant_forms' / indexed_gated_forms' results: the rows the routing fills are finite, not
+    """indexed_quant_forms' / gated_forms' results: the rows the routing fills are finite, not
     all zero, and the same bits both ways. ``exact=False`` where the two ways may sum the GEMM's K
     split in another order (gemm_indexed_gated's halves pairing on the GPU takes at most 4 K groups,
     a separate gemm_indexed up to 8): then equal within a few units in the last place of the
@@ -204,7 +204,7 @@ def assert_fused_equals_two(got: dict, *, exact: bool = True) -> None:
     np.testing.assert_allclose(fused, two, rtol=8 * eps, atol=8 * eps * float(np.abs(two).max()))
 
 
-def indexed_gated_forms(
+def gated_forms(
     rng: np.random.Generator,
     w: PackedWeight,
     bias: jax.Array | None,
@@ -212,51 +212,32 @@ def indexed_gated_forms(
     ids: jax.Array,
     activation: str,
     limit: float | None = None,
+    gemm_type: str = "indexed",
 ) -> tuple[Callable[..., dict], tuple]:
-    """One random GEMM1 of the indexed class both ways: ``gemm_indexed_gated`` (the gated activation
-    of the GEMM's rows in its call) and ``gemm_indexed`` + ``activation``; token rows gathered by
-    id // k. Returns (fn, operands); fn(x, ids, w, bias) gives a dict: fused, two, src."""
+    """One random GEMM1 of the indexed or grouped class both ways: the gated call
+    (``gemm_indexed_gated`` / ``gemm_grouped_gated``: the gated activation of the GEMM's rows in
+    its call) and the GEMM + ``activation``; the indexed class gathers token rows by id // k, the
+    grouped one permutes them. Returns (fn, operands); fn(x, ids, w, bias) gives a dict: fused, two,
+    src (the indexed routing's source rows; for the grouped class 0 for the rows the routing fills
+    and -1 past the last offset) and, for the grouped class, offsets."""
+    if gemm_type not in ("indexed", "grouped"):
+        raise ValueError(f"gemm_type must be 'indexed' or 'grouped', got {gemm_type!r}")
     e = w.num_experts
     m, k = ids.shape
     x = _token_rows(rng, m, w.k, 1.0, dtype)
     bm = indexed_block_m(m * k, e)
 
     def fn(x, ids, w, bias):
-        r = routing_ops.routing_indexed(ids, None, e, bm)
-        common = dict(rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype)
-        fused = gemm_ops.gemm_indexed_gated(x, None, w, bias, r, activation=activation, limit=limit, **common)
-        two = act_ops.activation(gemm_ops.gemm_indexed(x, None, w, bias, r, **common), activation, limit)
-        return dict(fused=fused, two=two, src=r.src_rows)
-
-    return fn, (x, ids, w, bias)
-
-
-
-def grouped_gated_forms(
-    rng: np.random.Generator,
-    w: PackedWeight,
-    bias: jax.Array | None,
-    dtype: Any,
-    ids: jax.Array,
-    activation: str,
-    limit: float | None = None,
-    expert_map: jax.Array | None = None,
-) -> tuple[Callable[..., dict], tuple]:
-    """One random GEMM1 of the grouped class both ways: ``gemm_grouped_gated`` (the gated activation
-    of the GEMM's rows in its call) and ``gemm_grouped`` + ``activation``, over the token rows
-    permuted by ``routing_grouped``. Returns (fn, operands); fn(x, ids, w, bias) gives a dict:
-    fused, two, src (0 for the rows the routing fills, -1 for those past the last offset), offsets."""
-    e = w.num_experts
-    m, k = ids.shape
-    x = _token_rows(rng, m, w.k, 1.0, dtype)
-
-    def fn(x, ids, w, bias):
-        r = routing_ops.routing_grouped(ids, expert_map, e)
-        a = routing_ops.permute_rows(x, r, k)
-        off = r.expert_first_token_offset
+        if gemm_type == "indexed":
+            r = routing_ops.routing_indexed(ids, None, e, bm)
+            common = dict(rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype)
+            fused = gemm_ops.gemm_indexed_gated(x, None, w, bias, r, activation=activation, limit=limit, **common)
+            two = act_ops.activation(gemm_ops.gemm_indexed(x, None, w, bias, r, **common), activation, limit)
+            return dict(fused=fused, two=two, src=r.src_rows)
+        r = routing_ops.routing_grouped(ids, None, e)
+        a, off = routing_ops.permute_rows(x, r, k), r.expert_first_token_offset
         fused = gemm_ops.gemm_grouped_gated(a, w, bias, off, out_dtype=dtype, activation=activation, limit=limit)
         two = act_ops.activation(gemm_ops.gemm_grouped(a, None, w, bias, off, out_dtype=dtype), activation, limit)
-        src = jnp.where(jnp.arange(m * k) < off[-1], 0, -1)
-        return dict(fused=fused, two=two, src=src, offsets=off)
+        return dict(fused=fused, two=two, src=jnp.where(jnp.arange(m * k) < off[-1], 0, -1), offsets=off)
 
     return fn, (x, ids, w, bias)

@@ -38,7 +38,7 @@ from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
 from humming_jax.testing import (  # noqa: E402
     gemm_forms,
-    indexed_gated_forms,
+    gated_forms,
     indexed_quant_forms,
     random_packed_weight,
     random_routing,
@@ -223,7 +223,7 @@ def main() -> None:
         bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
         ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
         ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
-        fn, operands = indexed_gated_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
+        fn, operands = gated_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
         run(fn, *operands)
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on

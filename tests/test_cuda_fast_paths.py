@@ -27,8 +27,8 @@ from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
 from humming_jax.testing import (
+    gated_forms,
     gemm_forms,
-    indexed_gated_forms,
     indexed_quant_forms,
     random_packed_weight,
 )
@@ -650,12 +650,12 @@ def test_prefill_gated_call_activates_apart_where_the_epilogue_cannot(rng, monke
 
 @requires_prefill
 def test_grouped_layer_gates_in_gemm1_and_matches_the_reference(rng, monkeypatch):
-    """The grouped class at a prefill size by default: GEMM1's kernel writes the activated rows (one
-    gated launch a call), bit for bit the separate activation ($HUMMING_JAX_FUSED_ACTIVATION=0),
+    """The grouped class at a prefill size with $HUMMING_JAX_FUSED_ACTIVATION=2: GEMM1's kernel
+    writes the activated rows (one gated launch a call), bit for bit the separate activation (=0),
     within bf16 rounding of the float reference."""
-    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_GATHER, gemm_ops.ENV_PREFILL_MIN_ROWS,
-                "HUMMING_JAX_FUSED_ACTIVATION"):
+    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_GATHER, gemm_ops.ENV_PREFILL_MIN_ROWS):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "2")
     layer = random_layer(rng, m=1024, e=16, h=512, i=256, k=4, bias=True)
     args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
     # The switch is read when the class is traced: a fresh function each time.
@@ -1182,7 +1182,7 @@ def test_decode_gated_epilogue_matches_two_calls_and_cpu(rng, monkeypatch, schem
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
     ids, _ = _decode_routing(rng, m, k, e)
     ids = jnp.where(ids >= e, -1, ids)
-    fn, ops = indexed_gated_forms(rng, w, bias, dtype, ids, activation, limit)
+    fn, ops = gated_forms(rng, w, bias, dtype, ids, activation, limit)
     what = f"{scheme} {variant} {activation} M={m} E={e} N={n} K={kdim}"
     with _LaunchCount(_DECODE_GATED_LAUNCHES) as gated, _LaunchCount(_DECODE_LAUNCHES) as launches:
         got = _run_on(GPU, fn, ops)

@@ -83,7 +83,7 @@ def test_gated_gemm_equals_two_calls(rng, scheme, dtype, activation, limit):
     e, n, kdim, m, k = 6, 2 * 40, 256, 9, 3
     w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    fn, ops = testing.indexed_gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
+    fn, ops = testing.gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
                                           limit)
     testing.assert_fused_equals_two(jax.jit(fn)(*ops), exact=_exact(activation))
 
@@ -118,6 +118,7 @@ def test_grouped_layer_same_bits_with_or_without_the_fused_activation(rng, monke
     layer = random_layer(rng, m=37, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, pad_frac=0.2,
                          bias=True)
     kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "2")
     fused = run_standard(GroupedExperts, layer, **kw)
     monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
     two = run_standard(GroupedExperts, layer, **kw)
@@ -130,18 +131,25 @@ def test_grouped_layer_same_bits_with_or_without_the_fused_activation(rng, monke
         assert relative_error(fused, ref) < 2e-2
 
 
-def test_grouped_layer_calls_the_gated_gemm(rng, monkeypatch):
-    """The grouped layer's graph: GEMM1 takes a gated activation (no activation call) unless
-    switched off; an activation that is not gated keeps its own call."""
+def test_grouped_layer_calls_the_gated_gemm_when_asked(rng, monkeypatch):
+    """The grouped layer's graph: GEMM1 takes a gated activation (no activation call) with
+    HUMMING_JAX_FUSED_ACTIVATION=2 only (by default, and with 0 or 1, the activation keeps its own
+    call); an activation that is not gated keeps its own call."""
     layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2)
+    for switch in (None, "0", "1"):
+        if switch is None:
+            monkeypatch.delenv("HUMMING_JAX_FUSED_ACTIVATION", raising=False)
+        else:
+            monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", switch)
+        calls = _layer_calls(layer, "silu", GroupedExperts)
+        assert "humming_jax.gemm_grouped_gated" not in calls and "humming_jax.activation" in calls, switch
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "2")
     calls = _layer_calls(layer, "silu", GroupedExperts)
     assert {"humming_jax.gemm_grouped_gated", "humming_jax.gemm_grouped"} <= calls
     assert "humming_jax.activation" not in calls
+    assert "humming_jax.gemm_indexed_gated" in _layer_calls(layer, "silu")  # the indexed class's too
     plain = random_layer(rng, m=5, e=4, h=128, i=128, k=2, activation="gelu_no_mul")
     calls = _layer_calls(plain, "gelu_no_mul", GroupedExperts)
-    assert "humming_jax.gemm_grouped_gated" not in calls and "humming_jax.activation" in calls
-    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
-    calls = _layer_calls(layer, "silu", GroupedExperts)
     assert "humming_jax.gemm_grouped_gated" not in calls and "humming_jax.activation" in calls
 
 
@@ -155,8 +163,8 @@ def test_grouped_gated_gemm_equals_two_calls(rng, scheme, dtype, activation, lim
     e, n, kdim, m, k = 6, 2 * 40, 256, 9, 3
     w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
-    fn, ops = testing.grouped_gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
-                                          limit)
+    fn, ops = testing.gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
+                                  limit, gemm_type="grouped")
     got = jax.jit(fn)(*ops)
     testing.assert_fused_equals_two(got)
     last = int(got["offsets"][-1])

@@ -12,7 +12,9 @@ one named is an error (the library path is checked in its backend report).
         --shapes qwen3-30b-a3b --formats w4a16-int4-g128 --tokens 1,16,128 --timer device
 
 (``scripts/build_ab_library.sh`` builds another revision's library; ``scripts/device_env.sh``
-unpacks it on the GPU machine into ``$HJ_AB_DIR``.)
+unpacks it on the GPU machine into ``$HJ_AB_DIR``. A build older than one of the tree's custom
+calls loads without that call's CUDA handler; the backend report names it, and a point that uses
+it fails there.)
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ CALLS = (
     "finalize",
 )
 
-_state: dict[str, Any] = {"cpu": None, "cuda": None, "cuda_error": None, "cuda_path": None}
+_state: dict[str, Any] = {"cpu": None, "cuda": None, "cuda_error": None, "cuda_path": None, "cuda_missing": []}
 
 
 def _camel(name: str) -> str:
@@ -91,10 +91,18 @@ def _register_cuda() -> None:
         _state["cuda_error"] = f"{path} found, but JAX has no CUDA platform"
         return
     lib = ctypes.cdll.LoadLibrary(str(path))
+    missing = [name for name in CALLS if not hasattr(lib, f"Hj{_camel(name)}Cuda")]
+    if missing and not env:
+        raise ImportError(f"humming_jax: {path} lacks the CUDA handlers of {missing}: rebuild it with the package")
+    # A build named by $HUMMING_JAX_CUDA_LIB (an A/B run against an older revision) may predate some
+    # calls: those stay unregistered on CUDA (a graph that uses one fails there) and the backend
+    # report names them.
     for name in CALLS:
-        symbol = getattr(lib, f"Hj{_camel(name)}Cuda")
-        jax.ffi.register_ffi_target(PREFIX + name, jax.ffi.pycapsule(symbol), platform="CUDA")
+        if name not in missing:
+            symbol = getattr(lib, f"Hj{_camel(name)}Cuda")
+            jax.ffi.register_ffi_target(PREFIX + name, jax.ffi.pycapsule(symbol), platform="CUDA")
     _state["cuda"] = path
+    _state["cuda_missing"] = missing
 
 
 def register_all() -> None:
@@ -115,6 +123,7 @@ def backend_report() -> dict[str, str | None]:
         "cpu": str(_state["cpu"]) if _state["cpu"] else None,
         "cuda": str(_state["cuda"]) if _state["cuda"] else None,
         "cuda_unavailable_because": None if _state["cuda"] else _state["cuda_error"],
+        "cuda_missing_calls": ", ".join(_state["cuda_missing"]) or None,
     }
 
 

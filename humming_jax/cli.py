@@ -160,6 +160,8 @@ def info(args: argparse.Namespace) -> int:
     print(f"CUDA handlers: {report['cuda'] or 'not available: ' + str(report['cuda_unavailable_because'])}")
     platforms = "cpu, CUDA" if report["cuda"] else "cpu"
     print(f"registered targets ({platforms}): " + ", ".join(_ffi.PREFIX + c for c in _ffi.CALLS))
+    if report["cuda_missing_calls"]:
+        print(f"not in the named CUDA build (CPU only): {report['cuda_missing_calls']}")
     print()
     rows = []
     for s in SCHEMES.values():

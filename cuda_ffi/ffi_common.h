@@ -347,24 +347,36 @@ inline Error parse_gemm_grouped(const std::string& call, const AnyBuffer& a, con
 }
 
 // gemm_grouped_gated: the grouped GEMM into c, then y [R, N / 2] = the gated activation of c's rows.
+// A gated call's activation code: a gated Activation.
+inline Error check_gated_activation(const std::string& call, int64_t activation) {
+  if (activation < 0 || activation >= kNumActivations || !activation_is_gated(static_cast<Activation>(activation)))
+    return invalid(call, "activation " + std::to_string(activation) + " is not a gated activation");
+  return Error::Success();
+}
+
+// A gated call's y: [rows of c, N / 2] of c's dtype for an even N, apart from the GEMM's operands.
+inline Error check_gated_y(const std::string& call, const AnyBuffer& y, const AnyBuffer& c, int64_t N,
+                           std::initializer_list<Span> operands) {
+  if (N % 2) return invalid(call, "a gated activation needs an even number of weight rows, got N = " +
+                                  std::to_string(N));
+  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {dim(c, 0), N / 2}));
+  if (y.element_type() != c.element_type()) return invalid(call, "y must have c's dtype");
+  return check_no_overlap(call, {span_of("y", y)}, operands);
+}
+
 inline Error parse_gemm_grouped_gated(const std::string& call, const AnyBuffer& a, const AnyBuffer& a_scale,
                                       const AnyBuffer& qweight, const AnyBuffer& scale, const AnyBuffer& zero,
                                       const AnyBuffer& scale2, const AnyBuffer& bias, const AnyBuffer& offsets,
                                       const GemmAttrs& at, int64_t activation, const AnyBuffer& y, const AnyBuffer& c,
                                       const AnyBuffer& workspace, GemmProblem* p) {
-  if (activation < 0 || activation >= kNumActivations || !activation_is_gated(static_cast<Activation>(activation)))
-    return invalid(call, "activation " + std::to_string(activation) + " is not a gated activation");
+  HJ_RETURN_IF_ERROR(check_gated_activation(call, activation));
   HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets, at, c,
                                         workspace, p));
-  if (p->N % 2) return invalid(call, "a gated activation needs an even number of weight rows, got N = " +
-                                         std::to_string(p->N));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {dim(c, 0), p->N / 2}));
-  if (y.element_type() != c.element_type()) return invalid(call, "y must have c's dtype");
-  return check_no_overlap(call, {span_of("y", y)},
-                          {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
-                           span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
-                           span_of("bias", bias), span_of("expert_first_token_offset", offsets),
-                           span_of("c", c), span_of("workspace", workspace)});
+  return check_gated_y(call, y, c, p->N,
+                       {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
+                        span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
+                        span_of("bias", bias), span_of("expert_first_token_offset", offsets), span_of("c", c),
+                        span_of("workspace", workspace)});
 }
 
 // gemm_grouped_gather's room for the permuted rows at the end of its workspace (a path that does
@@ -822,18 +834,13 @@ inline Error parse_gemm_indexed_gated(const std::string& call, const AnyBuffer& 
                                       const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp, const GemmAttrs& at,
                                       int64_t activation, int64_t gather_div, int64_t block_m, const AnyBuffer& y,
                                       const AnyBuffer& c, GemmProblem* p, IndexedLayout* l) {
-  if (activation < 0 || activation >= kNumActivations || !activation_is_gated(static_cast<Activation>(activation)))
-    return invalid(call, "activation " + std::to_string(activation) + " is not a gated activation");
+  HJ_RETURN_IF_ERROR(check_gated_activation(call, activation));
   HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, a, a_scale, qweight, scale, zero, scale2, bias, sorted_ids,
                                         block_expert_ids, ntpp, at, gather_div, block_m, c, p, l));
-  if (p->N % 2) return invalid(call, "a gated activation needs an even number of weight rows, got N = " +
-                                         std::to_string(p->N));
-  HJ_RETURN_IF_ERROR(expect_shape(call, "y", y, {dim(c, 0), p->N / 2}));
-  if (y.element_type() != c.element_type()) return invalid(call, "y must have c's dtype");
-  return check_no_overlap(call, {span_of("y", y)},
-                          {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
-                           span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
-                           span_of("bias", bias)});
+  return check_gated_y(call, y, c, p->N,
+                       {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
+                        span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
+                        span_of("bias", bias)});
 }
 
 // gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized

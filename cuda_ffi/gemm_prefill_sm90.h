@@ -177,11 +177,6 @@ struct GroupedArgs {
   GatedOut gate{-1, 0.0f, nullptr};
 };
 
-// Whether our persistent bf16 kernel writes the gated rows itself for a call of this form: the
-// 256-token form (two consumer warpgroups: in the halves layout one takes the gate rows, the other
-// the up rows of the same output columns), N / 2 whole 16-byte runs, y 16-byte aligned.
-bool wsp_gates(const WspForm& form, int64_t N, const void* y);
-
 // Token rows a grouped call gathers itself (gemm_grouped_gather): the problem's `a` is x [M, K]
 // and row r is x[perm[r] / top_k].
 struct GatherRows {
@@ -229,8 +224,8 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
 // (*handled = true, the result is the call's), else leaves the call to the generic kernel.
 // gather (optional): the call's rows are gathered token rows; the prefill kernel then runs only
 // where it gathers them itself (*handled = false otherwise: the caller permutes them into `a`).
-// gate (optional, with gated): where the kernel applies the gated activation itself (wsp_gates)
-// it writes gate->y and sets *gated (the caller starts it false); otherwise c, and the caller
+// gate (optional, with gated): where the kernel applies the gated activation itself (our bf16
+// kernel's 256-token form, N a multiple of 16) it writes gate->y and sets *gated (the caller starts it false); otherwise c, and the caller
 // activates it.
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
                   void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled,

@@ -169,8 +169,8 @@ __device__ __forceinline__ void produce(const WspParams<kMaxTokens, kGate>& W, u
 // arrives once its copies land; thread 0 also arms the full barrier with the weights' bytes and
 // loads their box by TMA. No shared-memory lookups or barriers in the stage loop (a per-row lookup
 // there, one 16-byte column of every 16th row a thread, was 6.5% slower still; v17).
-template <int kMaxTokens, int kCluster>
-__device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens, 0>& W, uint32_t w0, uint32_t act0,
+template <int kMaxTokens, int kCluster, int kGate>
+__device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens, kGate>& W, uint32_t w0, uint32_t act0,
                                                  uint32_t bar_full, uint32_t bar_empty, int rank, int pt) {
   using F = Form<kMaxTokens>;
   constexpr int kWBytes = F::kWBytes, kActBytes = F::kActBytes;
@@ -293,15 +293,10 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
   wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, gathered ? 1 + kGatherThreads : 1);
   if (tid >= 128 * kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(F::kProducerRegs));
-    if constexpr (kGate == 0) {
-      if (gathered) {
-        produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups);
-      } else if (tid == 128 * kGroups) {
-        produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
-      }
-    } else if (tid == 128 * kGroups) {
+    if (gathered)
+      produce_gathered<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank, tid - 128 * kGroups);
+    else if (tid == 128 * kGroups)
       produce<kMaxTokens, kCluster>(W, w0, act0, bar_full, bar_empty, rank);
-    }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(F::kConsumerRegs));
     const int KT = (W.K + kBK - 1) / kBK;

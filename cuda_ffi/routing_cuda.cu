@@ -448,8 +448,6 @@ Error permute_rows_into(const std::string& call, cudaStream_t stream, const void
   return launch_permute<uint8_t>(call, stream, x, perm, offsets, num_offsets, R, row_bytes, top_k, y);
 }
 
-namespace {
-}  // namespace
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjRoutingIndexedCuda, hj::RoutingIndexedCuda,

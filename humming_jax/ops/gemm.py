@@ -149,6 +149,16 @@ def gemm_indexed_quant(
     return c
 
 
+def _gated_activation(call: str, w: PackedWeight, activation: str, limit: float | None) -> tuple[int, float]:
+    """(activation code, limit) of a gated call's activation; it must be gated, and w's rows even."""
+    spec, lim = get_activation(activation, limit)
+    if not spec.gated:
+        raise ValueError(f"{call} needs a gated activation, got {activation!r}")
+    if w.n % 2:
+        raise ValueError(f"a gated activation needs an even number of weight rows, got N = {w.n}")
+    return int(spec.code), lim
+
+
 def gemm_indexed_gated(
     a: jax.Array,
     a_scale: jax.Array | None,
@@ -171,11 +181,7 @@ def gemm_indexed_gated(
     halves layout (every gated activation but swigluoai) the decode kernel splits K over at most 4
     warp groups, where a separate ``gemm_indexed`` may take 8, and then sums K in another order
     (results within the last places of the 16-bit type)."""
-    spec, lim = get_activation(activation, limit)
-    if not spec.gated:
-        raise ValueError(f"gemm_indexed_gated needs a gated activation, got {activation!r}")
-    if w.n % 2:
-        raise ValueError(f"a gated activation needs an even number of weight rows, got N = {w.n}")
+    code, lim = _gated_activation("gemm_indexed_gated", w, activation, limit)
     y, _ = _call_indexed(
         "gemm_indexed_gated",
         (jax.ShapeDtypeStruct((rows, w.n // 2), out_dtype), jax.ShapeDtypeStruct((rows, w.n), out_dtype)),
@@ -187,7 +193,7 @@ def gemm_indexed_gated(
         act_group_k,
         gather_div=gather_div,
         block_m=block_m,
-        activation=int(spec.code),
+        activation=code,
         limit=lim,
     )
     return y
@@ -494,11 +500,7 @@ def gemm_grouped_gated(
     activates each row's gate and up values where it takes the call on tiles of 256 tokens (N a
     multiple of 16); elsewhere the GEMM's rows go through the activation kernel. The values are the
     two calls', bit for bit: the epilogue rounds the GEMM's values as it would store them first."""
-    spec, lim = get_activation(activation, limit)
-    if not spec.gated:
-        raise ValueError(f"gemm_grouped_gated needs a gated activation, got {activation!r}")
-    if w.n % 2:
-        raise ValueError(f"a gated activation needs an even number of weight rows, got N = {w.n}")
+    code, lim = _gated_activation("gemm_grouped_gated", w, activation, limit)
     ops, attrs = _operands(a, None, w, bias, 0)
     rows = a.shape[0]
     y, _c, _workspace = _ffi.call(
@@ -510,7 +512,7 @@ def gemm_grouped_gated(
         ),
         *ops,
         expert_first_token_offset,
-        activation=int(spec.code),
+        activation=code,
         limit=lim,
         **attrs,
     )

@@ -182,9 +182,13 @@ def indexed_quant_forms(
 
 
 def distinct_topk_ids(rng: np.random.Generator, m: int, k: int, e: int, pad: float = 0.15) -> jax.Array:
-    """topk ids [m, k]: k distinct experts of e per token, a fraction ``pad`` of them -1."""
+    """topk ids [m, k]: k distinct experts of e per token, a fraction ``pad`` of them -1 (at least
+    one where pad > 0, so a test of dropped ids always has one to drop)."""
     ids = np.argsort(rng.random((m, e)), axis=1)[:, :k]
-    return jnp.asarray(np.where(rng.random((m, k)) < pad, -1, ids).astype(np.int32))
+    drop = rng.random((m, k)) < pad
+    if pad > 0.0 and not drop.any():
+        drop.flat[rng.integers(m * k)] = True
+    return jnp.asarray(np.where(drop, -1, ids).astype(np.int32))
 
 
 def assert_fused_equals_two(got: dict, *, exact: bool = True) -> None:

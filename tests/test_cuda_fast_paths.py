@@ -508,6 +508,34 @@ def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, 
         np.testing.assert_array_equal(got, results[None], err_msg=f"group {group} differs from the rule's")
 
 
+@requires_prefill
+@pytest.mark.parametrize("form", ["1", "2", "3", "4"])
+@pytest.mark.parametrize("n,kdim", [
+    (520, 328),  # 6 stages an item; the cluster's second CTA past N on the last pair
+    (400, 392),  # the last block's second warpgroup (form 1, 2: and third) past N
+    (264, 136),  # 3 stages an item: fewer than the ring's, so the lag stays off
+])
+def test_prefill_persistent_warpgroup_lag_gives_one_result(rng, monkeypatch, form, n, kdim):
+    """The persistent kernel's warpgroup lag ($HUMMING_JAX_PREFILL_WSP_LAG: stages a consumer
+    warpgroup issues of an item before the next starts it, clamped to the ring) only shifts the
+    warpgroups in time: every lag gives the unset run's bits, equal to the CPU, with warpgroups past
+    N in the chain and items shorter than the ring."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    p = _gemm_inputs(rng, "bf16", 2400, 4, 64, n, kdim, "uniform", bias=True)
+    results = {}
+    for lag in (None, "1", "2", "3", "4", "9", "x"):
+        if lag is None:
+            monkeypatch.delenv("HUMMING_JAX_PREFILL_WSP_LAG", raising=False)
+        else:
+            monkeypatch.setenv("HUMMING_JAX_PREFILL_WSP_LAG", lag)
+        with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+            results[lag], _ = _prefill_once_matches_cpu(p, f"bf16 form {form} lag {lag}", "persistent")
+        assert ours.count == 1, "the persistent kernel did not run"
+    for lag, got in results.items():
+        np.testing.assert_array_equal(got, results[None], err_msg=f"lag {lag} differs from none")
+
+
 def _gather_call(x, ids, emap, w, b, e, k):
     r = routing_ops.routing_grouped(ids, emap, e)
     return gemm_ops.gemm_grouped_gather(x, w, b, r.permutation, r.expert_first_token_offset, k, out_dtype=x.dtype), \

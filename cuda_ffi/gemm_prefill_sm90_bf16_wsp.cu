@@ -37,11 +37,13 @@
 //    at ~0.6x the TMA path's rate at 256-token tiles (benchmarks/NOTES.md, v17): taken only where
 //    HUMMING_JAX_PREFILL_GATHER asks for it.
 //  * Gated rows (GroupedArgs::gate, gemm_grouped_gated; the 256-token form): the kernel writes
-//    y [R, N / 2] = act(gate, up) of its rounded rows instead of c, both warpgroups' rows staged,
-//    then paired (wsp::store_gated). In the halves layout (gate row i, up row N / 2 + i) the CTA's
-//    block b loads gate rows 64 b + [0, 64) and up rows N / 2 + 64 b + [0, 64) as two boxes, one
-//    for each warpgroup; interleaved (swigluoai: rows 2i, 2i + 1) its 128 rows as usual. The
-//    activation call's pass over c (R x N read, R x N / 2 written) and c's own writes go away.
+//    y [R, N / 2] = act(gate, up) of its rounded rows instead of c (wsp::store_gated): each
+//    consumer warpgroup holds the gate and the up rows of its 32 output columns, stages them and
+//    writes their activation alone. In the halves layout (gate row i, up row N / 2 + i) the CTA's
+//    block b loads gate rows 64 b + [0, 64) and up rows N / 2 + 64 b + [0, 64) as two boxes, and
+//    warpgroup g reads gate rows 32 g + [0, 32) and up rows 32 g + [0, 32) of them; interleaved
+//    (swigluoai: rows 2i, 2i + 1) its 128 rows as usual, 64 a warpgroup. The activation call's
+//    pass over c (R x N read, R x N / 2 written) and c's own writes go away.
 //  * The warpgroups' lag (WspParams::lag, $HUMMING_JAX_PREFILL_WSP_LAG; 0, the default: none):
 //    consumer warpgroup g > 0 starts each item's mainloop only once warpgroup g - 1 has issued
 //    `lag` of its stages, so that the warpgroups reach their epilogues at different times and each
@@ -125,13 +127,13 @@ struct WspParams {
   int div, R;
   int gate_act;  // kGate: the Activation code
   float gate_limit;
-  int lag;  // stages warpgroup g - 1 issues of an item before g starts it (0: none; kGate 0 only)
+  int lag;  // stages warpgroup g - 1 issues of an item before g starts it (0: none)
 };
 
 // The named barriers of the warpgroups' lag: kLagBarrier + g between consumer warpgroups g and g + 1
-// (1 .. 3 are the warpgroups' epilogues, wsp::kGatedBarrier the gated one).
-constexpr int kLagBarrier = 6;
-static_assert(kLagBarrier > wsp::kGatedBarrier && kLagBarrier + 2 < 16, "named barriers");
+// (1 .. 3 are the warpgroups' epilogues).
+constexpr int kLagBarrier = 4;
+static_assert(kLagBarrier > 3 && kLagBarrier + 1 < 16, "named barriers");
 
 // The lag a call runs with: $HUMMING_JAX_PREFILL_WSP_LAG (0, unset or malformed: none), at most
 // kStages / (groups - 1), and none for items of fewer than kStages stages (WspParams::lag).
@@ -311,7 +313,7 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kStages]);
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = kCluster == 2 ? static_cast<int>(cluster_rank()) : 0;
-  static_assert(kGate == 0 || kGroups == 2, "the gated epilogue pairs two consumer warpgroups");
+  static_assert(kGate == 0 || kGroups == 2, "the gated layouts take blocks of 128 rows: two consumer warpgroups");
   const bool gathered = kGate == 0 && W.x != nullptr;
   // full: the producer's expect-tx arrival, and with gathered tokens each producer thread's cp.async one
   wsp::init_ring<kCluster, kStages, kGroups>(bar_full, bar_empty, gathered ? 1 + kGatherThreads : 1);
@@ -328,19 +330,22 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
     // The lane's ldmatrix row (row (lane & 7) + 8 ((lane >> 3) & 1) of the warp's 16) and its
     // swizzled offset of k16 step 0 (chunk lane >> 4), opaque to ptxas so that they stay in
     // registers across stages.
-    const int row = wg * 64 + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    // The halves layout's warpgroup g reads gate rows 32 g + [0, 32) (its warps 0, 1) and up rows
+    // 64 + 32 g + [0, 32) (warps 2, 3) of the stage's two boxes.
+    const int mine = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    const int row = kGate == 1 ? (warp < 2 ? 0 : 32) + 32 * wg + mine : wg * 64 + mine;
     uint32_t w_t = w0 + row * (kBK * 2);
     uint32_t x = static_cast<uint32_t>(((lane >> 4) ^ (lane & 7)) << 4);
     asm volatile("" : "+r"(w_t), "+r"(x));
     uint32_t slot = 0, phase = 0;
     float acc[kMaxTokens / 2];
-    const int lag = kGate == 0 ? W.lag : 0;
+    const int lag = W.lag;
     // The lag's barriers: this warpgroup waits on kLagBarrier + wg - 1, signals on kLagBarrier + wg.
     const bool waits = lag > 0 && wg > 0, signals = lag > 0 && wg + 1 < kGroups;
     wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
       if (waits) asm volatile("bar.sync %0, 256;\n" ::"r"(kLagBarrier + wg - 1) : "memory");
       // A warpgroup past N skips the item's mainloop: it lets the next one (past N too) go at once.
-      const bool past = n0 + wg * 64 >= W.N;
+      const bool past = kGate == 0 && n0 + wg * 64 >= W.N;
       if (signals && past) asm volatile("bar.arrive %0, 256;\n" ::"r"(kLagBarrier + wg) : "memory");
       const int arrive_after = signals && !past ? lag : 0;
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
@@ -354,17 +359,20 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
                                                    gathered, arrive_after, kLagBarrier + wg);
               });
         } else {
-          // Both warpgroups run every item (rows past N are the TMA's zeros, never stored): the
-          // epilogue pairs them.
-          const int n0w = kGate == 1 ? (wg == 0 ? n0 / 2 : W.N / 2 + n0 / 2) : n0 + wg * 64;
+          // Both warpgroups run every item (rows past N are the TMA's zeros, columns past N / 2
+          // never stored). Warpgroup g writes output columns j0 = n0 / 2 + 32 g + [0, 32); load_bias
+          // takes weight row n0w + 16 warp + ..: in the halves layout its warps 0, 1 hold gate rows
+          // j0 + [0, 32), warps 2, 3 up rows N / 2 + j0 + [0, 32).
+          const int j0 = n0 / 2 + 32 * wg;
+          const int n0w = kGate == 1 ? (warp < 2 ? j0 : W.N / 2 + j0 - 32) : n0 + wg * 64;
           float b[2];
           wsp::load_bias(W, tile.x, n0w, tid, b);
           consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, lane, rank,
-                                             false);
+                                             false, arrive_after, kLagBarrier + wg);
           if (W.bias != nullptr)
-            wsp::store_gated<kGate, kCh * kChunk, true>(W, acc, b, tile.y, tile.z, n0 / 2, staging, tid);
+            wsp::store_gated<kGate, kCh * kChunk, true>(W, acc, b, tile.y, tile.z, j0, staging, tid);
           else
-            wsp::store_gated<kGate, kCh * kChunk, false>(W, acc, b, tile.y, tile.z, n0 / 2, staging, tid);
+            wsp::store_gated<kGate, kCh * kChunk, false>(W, acc, b, tile.y, tile.z, j0, staging, tid);
         }
       });
     });
@@ -390,7 +398,7 @@ std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t s
   }
   W.gate_act = g.gate.act;
   W.gate_limit = g.gate.limit;
-  W.lag = kGate == 0 ? wsp_lag(F::kGroups, static_cast<int>(g.K)) : 0;
+  W.lag = wsp_lag(F::kGroups, static_cast<int>(g.K));
   // Gathered tokens need no act maps (produce_gathered copies the rows itself); the halves layout
   // loads its 128 rows as two boxes of 64.
   std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kGate == 1 ? 64 : F::kRowsCta,

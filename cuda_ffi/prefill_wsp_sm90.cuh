@@ -292,35 +292,34 @@ __device__ __forceinline__ void store_group(const Params& o, const float (&acc)[
     store<kWidth, false>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
 }
 
-// The named barrier of the two consumer warpgroups' gated epilogue (1 .. 3: the warpgroups' own).
-constexpr int kGatedBarrier = 5;
-
-// The gated epilogue of a kernel with two consumer warpgroups (tid: 0 .. 255) over one item: each
-// warpgroup stages its 64 rows a pass (stage_pass: the values c would hold), then the pair writes
-// y [R, N / 2] = act(gate, up) of them, 8 output columns (16 bytes) of one token a thread, rounded as
-// the activation kernel rounds (the same contract functions: its values, bit for bit).
-//  kGate 1, halves: warpgroup 0 holds gate rows j0 + [0, 64), warpgroup 1 the up rows
-//  N / 2 + j0 + [0, 64): output column j0 + j is row j of both stagings.
-//  kGate 2, interleaved (swigluoai): the CTA's 128 rows are 2 j0 + [0, 128), output column j0 + j
-//  is rows 2 j (gate) and 2 j + 1 (up): columns 8 ob .. 8 ob + 7 are 16-byte chunks 2 (ob % 4) and
-//  2 (ob % 4) + 1 of warpgroup ob / 4's staging.
+// The gated epilogue of one consumer warpgroup (tid: its thread, 0 .. 127; staging: its own buffer;
+// sync: its named barrier) over one item: the warpgroup stages its 64 rows a pass (stage_pass: the
+// values c would hold), then writes y [R, N / 2] = act(gate, up) of its 32 output columns from j0,
+// 8 columns (16 bytes) of one token a thread, rounded as the activation kernel rounds (the same
+// contract functions: its values, bit for bit). The warpgroup holds both halves of its columns, so
+// its epilogue needs no other warpgroup (and can run while another issues MMAs):
+//  kGate 1, halves: its rows 0 .. 31 are gate rows j0 + [0, 32), rows 32 .. 63 the up rows
+//  N / 2 + j0 + [0, 32): output columns 8 oc .. 8 oc + 7 are 16-byte chunks oc and oc + 4.
+//  kGate 2, interleaved (swigluoai): its rows are 2 j0 + [0, 64), output column j0 + j is rows 2 j
+//  (gate) and 2 j + 1 (up): columns 8 oc .. 8 oc + 7 are 16-byte chunks 2 oc and 2 oc + 1.
 // The activation is a template argument: each pass's code holds its one activation (the first
 // form, a runtime switch in every value's code, ran the layer 1.1-1.65x slower; benchmarks/NOTES.md,
 // v18).
-template <int kGate, Activation kAct, int kWidth, bool kBias, typename Params, int kAcc>
+template <int kGate, Activation kAct, int kWidth, bool kBias, typename Params, typename Sync, int kAcc>
 __device__ __forceinline__ void store_gated_as(const Params& o, const float (&acc)[kAcc], const float (&b)[2],
-                                               int row0, int rows, int j0, uint8_t* staging, int tid) {
+                                               int row0, int rows, int j0, uint8_t* staging, int tid, Sync sync) {
   static_assert(kGate == 1 || kGate == 2, "gated layouts");
   constexpr int kPasses = (kWidth + kPassTokens - 1) / kPassTokens;
+  constexpr int kChunks = 4;  // 16-byte output chunks of a token: 32 columns
+  static_assert(kPassTokens * kChunks == 128, "a pass: one chunk a thread");
   const int I = o.N / 2;
-  auto sync = [] { asm volatile("bar.sync %0, 256;\n" ::"n"(kGatedBarrier) : "memory"); };
-  const uint32_t lane_row = stage_lane_row(staging + (tid >> 7) * kStagingBytes, tid & 127);
-  const int ob = tid & 7, tok0 = tid >> 3;  // kPassTokens tokens a pass, one a thread
-  const bool col_ok = j0 + ob * 8 < I;
-  __nv_bfloat16* out = o.c + static_cast<int64_t>(row0 + tok0) * I + j0 + ob * 8;
+  const uint32_t lane_row = stage_lane_row(staging, tid);
+  const int oc = tid % kChunks, tok0 = tid / kChunks;
+  const bool col_ok = j0 + oc * 8 < I;
+  __nv_bfloat16* out = o.c + static_cast<int64_t>(row0 + tok0) * I + j0 + oc * 8;
   const uint8_t* row = staging + tok0 * kStageRow;
-  const uint8_t* first = kGate == 1 ? row + ob * 16 : row + (ob >> 2) * kStagingBytes + (ob & 3) * 32;
-  const uint8_t* second = kGate == 1 ? first + kStagingBytes : first + 16;
+  const uint8_t* first = kGate == 1 ? row + oc * 16 : row + oc * 32;
+  const uint8_t* second = kGate == 1 ? first + kChunks * 16 : first + 16;
   const float limit = o.gate_limit;
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
@@ -357,22 +356,27 @@ __device__ __forceinline__ void store_gated_as(const Params& o, const float (&ac
 }
 
 // store_gated_as for the item's activation (o.gate_act): the halves layout's silu, gelu and
-// gelu_tanh, or swigluoai's interleaved rows.
+// gelu_tanh, or swigluoai's interleaved rows; consumer warpgroup tid / 128's epilogue (its staging
+// buffer and named barrier 1 + the group, as store_group's).
 template <int kGate, int kWidth, bool kBias, typename Params, int kAcc>
 __device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
                                             int rows, int j0, uint8_t* staging, int tid) {
+  const int wg = tid >> 7, bar_id = 1 + wg;
+  auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
+  uint8_t* mine = staging + wg * kStagingBytes;
+  const int t = tid & 127;
   if constexpr (kGate == 2) {
-    store_gated_as<2, Activation::kSwigluOai, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+    store_gated_as<2, Activation::kSwigluOai, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
   } else {
     switch (static_cast<Activation>(o.gate_act)) {
       case Activation::kGelu:
-        store_gated_as<1, Activation::kGelu, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+        store_gated_as<1, Activation::kGelu, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
         break;
       case Activation::kGeluTanh:
-        store_gated_as<1, Activation::kGeluTanh, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+        store_gated_as<1, Activation::kGeluTanh, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
         break;
       default:
-        store_gated_as<1, Activation::kSilu, kWidth, kBias>(o, acc, b, row0, rows, j0, staging, tid);
+        store_gated_as<1, Activation::kSilu, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
         break;
     }
   }

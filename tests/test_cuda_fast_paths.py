@@ -638,16 +638,21 @@ def _run_gated(args, e, k, activation, limit):
 @pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu_tanh", None)])
 @pytest.mark.parametrize("m,k,e,n,kdim,kind", [
     (1024, 4, 16, 400, 136, "tail"),  # N / 2 = 200: a last block part past it; K tail; dropped ids
-    (2048, 8, 64, 384, 256, "zero_rows"),  # experts without rows
+    (2048, 8, 64, 400, 256, "zero_rows"),  # experts without rows; a warpgroup's columns all past N / 2
     (1024, 1, 8, 256, 512, "one_expert"),  # one expert's rows over many tiles
 ])
-def test_prefill_gated_epilogue_equals_two_calls(rng, monkeypatch, form, activation, limit, m, k, e, n, kdim, kind):
+@pytest.mark.parametrize("lag", [None, "3"])
+def test_prefill_gated_epilogue_equals_two_calls(rng, monkeypatch, form, activation, limit, m, k, e, n, kdim, kind,
+                                                 lag):
     """gemm_grouped_gated on the persistent bf16 kernel's 256-token forms writes act(gate, up) of its
-    rounded rows (the halves layout: gate and up rows in the CTA's two warpgroups; swigluoai's
-    interleaved rows): bit for bit gemm_grouped + the activation kernel on the same kernel, equal
-    to the CPU, rows past the last offset zeros."""
+    rounded rows (each warpgroup the gate and up rows of its 32 columns: the halves layout's two
+    boxes, swigluoai's interleaved rows), with the warpgroups in step or lagging
+    ($HUMMING_JAX_PREFILL_WSP_LAG; off at K = 136, 3 stages): bit for bit gemm_grouped + the
+    activation kernel on the same kernel, equal to the CPU, rows past the last offset zeros."""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    if lag is not None:
+        monkeypatch.setenv("HUMMING_JAX_PREFILL_WSP_LAG", lag)
     args = _gated_inputs(rng, m, k, e, n, kdim, kind)
     (fused, two, off), gated, ours = _run_gated(jax.device_put(args, GPU), e, k, activation, limit)
     assert gated == 1, f"{gated} gated launches"

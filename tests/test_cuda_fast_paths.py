@@ -483,6 +483,25 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 
 
+def _persistent_bits_agree(monkeypatch, p, form, var, values):
+    """gemm_grouped of `p` on the persistent bf16 kernel's form `form` once for each value of the
+    environment variable `var` (None: unset), each one launch equal to the CPU, all bit for bit the
+    unset run's."""
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    results = {}
+    for value in (None, *values):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+            results[value], _ = _prefill_once_matches_cpu(p, f"bf16 form {form} {var}={value}", "persistent")
+        assert ours.count == 1, "the persistent kernel did not run"
+    for value, got in results.items():
+        np.testing.assert_array_equal(got, results[None], err_msg=f"{var}={value} differs from unset")
+
+
 @requires_prefill
 @pytest.mark.parametrize("form", ["3", "4"])
 def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, form):
@@ -490,22 +509,10 @@ def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, 
     2 or 8 by the call's weight blocks, prefill_wsp_sm90.cuh, tile_group) only reorders the work
     items: every group size, a last group partial or not, gives the same output bit for bit,
     equal to the CPU."""
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
     # ~150 rows per expert over 64 experts: ~128 tiles, three 192-row blocks (an odd count: the
     # cluster's second CTA past N on the last pair).
     p = _gemm_inputs(rng, "bf16", 2400, 4, 64, 520, 328, "uniform", bias=True)
-    results = {}
-    for group in (None, "1", "3", "8", "1024"):
-        if group is None:
-            monkeypatch.delenv("HUMMING_JAX_PREFILL_WSP_GROUP", raising=False)
-        else:
-            monkeypatch.setenv("HUMMING_JAX_PREFILL_WSP_GROUP", group)
-        with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
-            results[group], _ = _prefill_once_matches_cpu(p, f"bf16 form {form} group {group}", "persistent")
-        assert ours.count == 1, "the persistent kernel did not run"
-    for group, got in results.items():
-        np.testing.assert_array_equal(got, results[None], err_msg=f"group {group} differs from the rule's")
+    _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_GROUP", ("1", "3", "8", "1024"))
 
 
 @requires_prefill
@@ -517,23 +524,11 @@ def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, 
 ])
 def test_prefill_persistent_warpgroup_lag_gives_one_result(rng, monkeypatch, form, n, kdim):
     """The persistent kernel's warpgroup lag ($HUMMING_JAX_PREFILL_WSP_LAG: stages a consumer
-    warpgroup issues of an item before the next starts it, clamped to the ring) only shifts the
-    warpgroups in time: every lag gives the unset run's bits, equal to the CPU, with warpgroups past
-    N in the chain and items shorter than the ring."""
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
+    warpgroup issues of an item before the next starts it, clamped to the ring; "x" is malformed:
+    none) only shifts the warpgroups in time: every lag gives the unset run's bits, equal to the
+    CPU, with warpgroups past N in the chain and items shorter than the ring."""
     p = _gemm_inputs(rng, "bf16", 2400, 4, 64, n, kdim, "uniform", bias=True)
-    results = {}
-    for lag in (None, "1", "2", "3", "4", "9", "x"):
-        if lag is None:
-            monkeypatch.delenv("HUMMING_JAX_PREFILL_WSP_LAG", raising=False)
-        else:
-            monkeypatch.setenv("HUMMING_JAX_PREFILL_WSP_LAG", lag)
-        with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
-            results[lag], _ = _prefill_once_matches_cpu(p, f"bf16 form {form} lag {lag}", "persistent")
-        assert ours.count == 1, "the persistent kernel did not run"
-    for lag, got in results.items():
-        np.testing.assert_array_equal(got, results[None], err_msg=f"lag {lag} differs from none")
+    _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_LAG", ("1", "2", "3", "4", "9", "x"))
 
 
 def _gather_call(x, ids, emap, w, b, e, k):

@@ -44,13 +44,8 @@
 //    warpgroup g reads gate rows 32 g + [0, 32) and up rows 32 g + [0, 32) of them; interleaved
 //    (swigluoai: rows 2i, 2i + 1) its 128 rows as usual, 64 a warpgroup. The activation call's
 //    pass over c (R x N read, R x N / 2 written) and c's own writes go away.
-//  * The warpgroups' lag (WspParams::lag, $HUMMING_JAX_PREFILL_WSP_LAG; 0, the default: none):
-//    consumer warpgroup g > 0 starts each item's mainloop only once warpgroup g - 1 has issued
-//    `lag` of its stages, so that the warpgroups reach their epilogues at different times and each
-//    one's epilogue runs while another issues MMAs (in step, all of them store at once and the
-//    tensor pipe idles). A warpgroup may run at most kStages stages ahead of the last one (the ring),
-//    so lag x (groups - 1) <= kStages, and only where an item has at least kStages stages (then a
-//    warpgroup cannot arrive for the next item before its successor took this one's).
+//  * The warpgroups' lag (WspParams::lag, $HUMMING_JAX_PREFILL_WSP_LAG; wsp::lag_enter): consumer
+//    warpgroup g > 0 starts each item once g - 1 has issued `lag` stages of it.
 // K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
 // Rounding: acc (float32 over k) + bias, one rounding to bf16, the contract's order.
 #include <cuda_bf16.h>
@@ -127,21 +122,8 @@ struct WspParams {
   int div, R;
   int gate_act;  // kGate: the Activation code
   float gate_limit;
-  int lag;  // stages warpgroup g - 1 issues of an item before g starts it (0: none)
+  int lag;  // stages warpgroup g - 1 issues of an item before g starts it (wsp::lag_stages; 0: none)
 };
-
-// The named barriers of the warpgroups' lag: kLagBarrier + g between consumer warpgroups g and g + 1
-// (1 .. 3 are the warpgroups' epilogues).
-constexpr int kLagBarrier = 4;
-static_assert(kLagBarrier > 3 && kLagBarrier + 1 < 16, "named barriers");
-
-// The lag a call runs with: $HUMMING_JAX_PREFILL_WSP_LAG (0, unset or malformed: none), at most
-// kStages / (groups - 1), and none for items of fewer than kStages stages (WspParams::lag).
-inline int wsp_lag(int groups, int K) {
-  const int64_t v = env_count("HUMMING_JAX_PREFILL_WSP_LAG", 0, 0);
-  if (v <= 0 || (K + kBK - 1) / kBK < kStages) return 0;
-  return static_cast<int>(std::min<int64_t>(v, kStages / (groups - 1)));
-}
 
 constexpr int kGatherThreads = 128;  // the producer warpgroup
 
@@ -248,7 +230,7 @@ template <int kMaxTokens, int kCh, int kCluster>
 __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0, uint32_t bar_full,
                                         uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
                                         float (&acc)[kMaxTokens / 2], int lane, int rank, bool gathered,
-                                        int arrive_after = 0, int arrive_bar = 0) {
+                                        int arrive_after, int wg) {
   constexpr int kWBytes = Form<kMaxTokens>::kWBytes, kActBytes = Form<kMaxTokens>::kActBytes;
   uint32_t frag[2][4];
   uint32_t prev = 0;
@@ -289,8 +271,7 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
       slot = 0;
       phase ^= 1u;
     }
-    // The lag: the next warpgroup may start this item (non-blocking for this one).
-    if (kt + 1 == arrive_after) asm volatile("bar.arrive %0, 256;\n" ::"r"(arrive_bar) : "memory");
+    if (kt + 1 == arrive_after) wsp::lag_arrive(wg);  // the next warpgroup may start this item
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -339,15 +320,9 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
     asm volatile("" : "+r"(w_t), "+r"(x));
     uint32_t slot = 0, phase = 0;
     float acc[kMaxTokens / 2];
-    const int lag = W.lag;
-    // The lag's barriers: this warpgroup waits on kLagBarrier + wg - 1, signals on kLagBarrier + wg.
-    const bool waits = lag > 0 && wg > 0, signals = lag > 0 && wg + 1 < kGroups;
     wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
-      if (waits) asm volatile("bar.sync %0, 256;\n" ::"r"(kLagBarrier + wg - 1) : "memory");
-      // A warpgroup past N skips the item's mainloop: it lets the next one (past N too) go at once.
-      const bool past = kGate == 0 && n0 + wg * 64 >= W.N;
-      if (signals && past) asm volatile("bar.arrive %0, 256;\n" ::"r"(kLagBarrier + wg) : "memory");
-      const int arrive_after = signals && !past ? lag : 0;
+      // A warpgroup past N skips the item's mainloop (group_item; the gated ones run every item).
+      const int arrive_after = wsp::lag_enter(W.lag, wg, kGroups, kGate == 0 && n0 + wg * 64 >= W.N);
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
       // of its parts the MMAs cover.
       wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
@@ -356,7 +331,7 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
           wsp::group_item<kCh * kChunk, kCluster, kStages>(
               W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
                 consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank,
-                                                   gathered, arrive_after, kLagBarrier + wg);
+                                                   gathered, arrive_after, wg);
               });
         } else {
           // Both warpgroups run every item (rows past N are the TMA's zeros, columns past N / 2
@@ -368,7 +343,7 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
           float b[2];
           wsp::load_bias(W, tile.x, n0w, tid, b);
           consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, lane, rank,
-                                             false, arrive_after, kLagBarrier + wg);
+                                             false, arrive_after, wg);
           if (W.bias != nullptr)
             wsp::store_gated<kGate, kCh * kChunk, true>(W, acc, b, tile.y, tile.z, j0, staging, tid);
           else
@@ -398,7 +373,7 @@ std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t s
   }
   W.gate_act = g.gate.act;
   W.gate_limit = g.gate.limit;
-  W.lag = wsp_lag(F::kGroups, static_cast<int>(g.K));
+  W.lag = wsp::lag_stages(F::kGroups, kStages, g.K, kBK);
   // Gathered tokens need no act maps (produce_gathered copies the rows itself); the halves layout
   // loads its 128 rows as two boxes of 64.
   std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kGate == 1 ? 64 : F::kRowsCta,

@@ -483,11 +483,12 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 
 
-def _persistent_bits_agree(monkeypatch, p, form, var, values):
-    """gemm_grouped of `p` on the persistent bf16 kernel's form `form` once for each value of the
-    environment variable `var` (None: unset), each one launch equal to the CPU, all bit for bit the
-    unset run's."""
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
+def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16"):
+    """gemm_grouped of `p` on the persistent bf16 (or fp8) kernel's form `form` once for each value
+    of the environment variable `var` (None: unset), each one launch equal to the CPU, all bit for
+    bit the unset run's."""
+    switch, counter = _WSP[scheme]
+    monkeypatch.setenv(switch, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
     results = {}
     for value in (None, *values):
@@ -495,8 +496,8 @@ def _persistent_bits_agree(monkeypatch, p, form, var, values):
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, value)
-        with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
-            results[value], _ = _prefill_once_matches_cpu(p, f"bf16 form {form} {var}={value}", "persistent")
+        with _LaunchCount(_ffi.launch_counter(counter)) as ours:
+            results[value], _ = _prefill_once_matches_cpu(p, f"{scheme} form {form} {var}={value}", "persistent")
         assert ours.count == 1, "the persistent kernel did not run"
     for value, got in results.items():
         np.testing.assert_array_equal(got, results[None], err_msg=f"{var}={value} differs from unset")
@@ -517,18 +518,22 @@ def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, 
 
 @requires_prefill
 @pytest.mark.parametrize("form", ["1", "2", "3", "4"])
-@pytest.mark.parametrize("n,kdim", [
-    (520, 328),  # 6 stages an item; the cluster's second CTA past N on the last pair
-    (400, 392),  # the last block's second warpgroup (form 1, 2: and third) past N
-    (264, 136),  # 3 stages an item: fewer than the ring's, so the lag stays off
+@pytest.mark.parametrize("scheme,n,kdim", [
+    ("bf16", 520, 328),  # 6 stages an item; the cluster's second CTA past N on the last pair
+    ("bf16", 400, 392),  # the last block's second warpgroup (form 1, 2: and third) past N
+    ("bf16", 264, 136),  # 3 stages an item: fewer than the ring's, so the lag stays off
+    ("w8a8-fp8-block128", 512, 768),  # 6 stages of 128 k
+    ("w8a8-fp8-block128", 256, 768),  # form 1, 2: the second 192-row block's warpgroups 1, 2 past N
+    ("w8a8-fp8-block128", 384, 384),  # 3 stages: the lag stays off
 ])
-def test_prefill_persistent_warpgroup_lag_gives_one_result(rng, monkeypatch, form, n, kdim):
-    """The persistent kernel's warpgroup lag ($HUMMING_JAX_PREFILL_WSP_LAG: stages a consumer
+def test_prefill_persistent_warpgroup_lag_gives_one_result(rng, monkeypatch, form, scheme, n, kdim):
+    """The persistent kernels' warpgroup lag ($HUMMING_JAX_PREFILL_WSP_LAG: stages a consumer
     warpgroup issues of an item before the next starts it, clamped to the ring; "x" is malformed:
     none) only shifts the warpgroups in time: every lag gives the unset run's bits, equal to the
     CPU, with warpgroups past N in the chain and items shorter than the ring."""
-    p = _gemm_inputs(rng, "bf16", 2400, 4, 64, n, kdim, "uniform", bias=True)
-    _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_LAG", ("1", "2", "3", "4", "9", "x"))
+    p = _gemm_inputs(rng, scheme, 2400, 4, 64, n, kdim, "uniform", bias=True)
+    _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_LAG", ("1", "2", "3", "4", "9", "x"),
+                           scheme)
 
 
 def _gather_call(x, ids, emap, w, b, e, k):

@@ -12,6 +12,7 @@
 #   HJ_STAGES=cuda_tests,memcheck scripts/gpu_check.sh
 #   HJ_PYTEST_ARGS="--maxfail=30" scripts/gpu_check.sh
 #   HJ_PACK=1 scripts/gpu_check.sh            # logs and JUnit files packed into one archive
+#   HJ_TEST_SHARDS=3 scripts/gpu_check.sh     # the long test stages as 3 processes each (default 2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -38,30 +39,38 @@ stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
   python3 -c 'import humming_jax, sys; sys.exit(0 if humming_jax.cuda_available() else 1)' \
     || { echo "the CUDA handlers are not registered (see the report above): stopping"; exit 2; }
 
-  # The test stages run side by side (their time is mostly compilation, on the host's cores);
+  # The test stages run side by side (their time is mostly compilation, on the host's cores), the
+  # long ones as HJ_TEST_SHARDS processes each (tests/conftest.py: $HUMMING_JAX_TEST_SHARD);
   # each process allocates GPU memory as it goes instead of taking most of it up front.
   declare -A PIDS
-  test_stage() {  # name timeout junit pytest-args...
-    local name=$1 limit=$2 junit=$3; shift 3
-    ( XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rf \
-        --junitxml="$OUT/$junit" "$@" > "$OUT/$name.log" 2>&1 ) &
+  SHARDS=${HJ_TEST_SHARDS:-2}
+  test_stage() {  # name timeout junit shard pytest-args... (shard: i/n, or "" for the whole selection)
+    local name=$1 limit=$2 junit=$3 shard=$4; shift 4
+    ( HUMMING_JAX_TEST_SHARD=$shard XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$limit" \
+        python3 -m pytest -q -p no:cacheprovider -rf --junitxml="$OUT/$junit" "$@" > "$OUT/$name.log" 2>&1 ) &
     PIDS[$name]=$!
+  }
+  sharded_stage() {  # name timeout pytest-args...: name_0 .. name_{SHARDS-1}, junit_name_i.xml
+    local name=$1 limit=$2 i; shift 2
+    for (( i = 0; i < SHARDS; i++ )); do
+      test_stage "${name}_$i" "$limit" "junit_${name}_$i.xml" "$i/$SHARDS" "$@"
+    done
   }
   if want cuda_tests; then
     stage "cuda backend tests (background)"
-    test_stage cuda_tests ${HJ_CUDA_TESTS_TIMEOUT:-200} junit_cuda.xml tests/test_cuda_backend.py ${HJ_PYTEST_ARGS:-}
+    test_stage cuda_tests ${HJ_CUDA_TESTS_TIMEOUT:-200} junit_cuda.xml "" tests/test_cuda_backend.py ${HJ_PYTEST_ARGS:-}
   fi
   if want fast_tests; then
     stage "fast-path tests (background)"
-    test_stage fast_prefill ${HJ_FAST_TESTS_TIMEOUT:-420} junit_fast_prefill.xml tests/test_cuda_fast_paths.py -k prefill $PYTEST_ARGS
-    test_stage fast_decode ${HJ_FAST_TESTS_TIMEOUT:-420} junit_fast_decode.xml tests/test_cuda_fast_paths.py -k "not prefill" $PYTEST_ARGS
+    sharded_stage fast_prefill ${HJ_FAST_TESTS_TIMEOUT:-420} tests/test_cuda_fast_paths.py -k prefill $PYTEST_ARGS
+    sharded_stage fast_decode ${HJ_FAST_TESTS_TIMEOUT:-420} tests/test_cuda_fast_paths.py -k "not prefill" $PYTEST_ARGS
   fi
   if want tests; then
     stage "test suite (background)"
-    test_stage tests ${HJ_TESTS_TIMEOUT:-420} junit.xml tests --ignore=tests/test_cuda_backend.py \
+    sharded_stage tests ${HJ_TESTS_TIMEOUT:-420} tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_cuda_fast_paths.py $PYTEST_ARGS
   fi
-  for name in "${!PIDS[@]}"; do
+  for name in $(printf '%s\n' "${!PIDS[@]}" | sort); do
     wait "${PIDS[$name]}"
     STATUS[$name]=$?
     stage "$name: exit ${STATUS[$name]}"
@@ -87,15 +96,21 @@ stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
 
   stage summary
   python3 - "$OUT" <<'EOF'
-import json, os, sys, xml.etree.ElementTree as ET
+import glob, json, os, re, sys, xml.etree.ElementTree as ET
 out = sys.argv[1]
-for name in ("junit_cuda.xml", "junit_fast_prefill.xml", "junit_fast_decode.xml", "junit.xml"):
-    path = os.path.join(out, name)
-    if os.path.exists(path):
-        root = ET.parse(path).getroot()
-        suites = [root] if root.tag == "testsuite" else list(root)
-        c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-        print(f"{name:24s} tests={c['tests']} failures={c['failures']} errors={c['errors']} skipped={c['skipped']}")
+# A stage's shards (junit_NAME_i.xml) summed into one line, junit_NAME.xml.
+counts = {}
+for path in sorted(glob.glob(os.path.join(out, "junit*.xml"))):
+    name = re.sub(r"_\d+\.xml$", ".xml", os.path.basename(path))
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    c = counts.setdefault(name, {"files": 0, "tests": 0, "failures": 0, "errors": 0, "skipped": 0})
+    c["files"] += 1
+    for k in ("tests", "failures", "errors", "skipped"):
+        c[k] += sum(int(s.get(k, 0)) for s in suites)
+for name, c in counts.items():
+    print(f"{name:24s} tests={c['tests']} failures={c['failures']} errors={c['errors']} skipped={c['skipped']}"
+          + (f" ({c['files']} shards)" if c["files"] > 1 else ""))
 for tool in ("memcheck", "racecheck"):
     path = os.path.join(out, f"{tool}.log")
     if os.path.exists(path):

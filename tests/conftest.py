@@ -32,6 +32,23 @@ def cuda_constant(file: str, name: str) -> int:
     return int(found.group(1))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """$HUMMING_JAX_TEST_SHARD=i/n keeps every n-th selected test from the i-th (0-based, after -k
+    and the other selections), so that scripts/gpu_check.sh can run one suite as n processes side
+    by side (their time is mostly compilation on the host's cores); unset or empty: all."""
+    spec = os.environ.get("HUMMING_JAX_TEST_SHARD", "")
+    if not spec:
+        return
+    found = re.fullmatch(r"(\d+)/(\d+)", spec)
+    if not found or not int(found.group(1)) < int(found.group(2)):
+        raise pytest.UsageError(f"HUMMING_JAX_TEST_SHARD must be i/n with 0 <= i < n, got {spec!r}")
+    i, n = int(found.group(1)), int(found.group(2))
+    keep = [item for k, item in enumerate(items) if k % n == i]
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
+    items[:] = keep
+
+
 def pytest_report_header(config: Any) -> str:
     return f"humming_jax backends: {hj._ffi.backend_report()}; jax default backend: {BACKEND}"
 

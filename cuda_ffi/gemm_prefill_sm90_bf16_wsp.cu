@@ -424,3 +424,8 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatherLaunch
 extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatedLaunches() {
   return hj::prefill::g_gated_launches.load(std::memory_order_relaxed);
 }
+
+// Launches of either persistent kernel (bf16 or fp8) that ran with the warpgroups' lag.
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillWspLagLaunches() {
+  return hj::prefill::wsp::g_lag_launches.load(std::memory_order_relaxed);
+}

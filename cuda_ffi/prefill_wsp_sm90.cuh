@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -180,6 +181,9 @@ __device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
 // ring (clamped); items of fewer stages than the ring run without it, so that a leader cannot
 // arrive for an item before its follower took the previous one.
 constexpr int kLagBarrier = 4;
+// Launches of either persistent kernel with a lag (HjPrefillWspLagLaunches): lets the GPU tests
+// prove that a lag they ask for is taken.
+inline std::atomic<uint64_t> g_lag_launches{0};
 inline int lag_stages(int groups, int stages, int64_t K, int bk) {
   const int64_t v = env_count("HUMMING_JAX_PREFILL_WSP_LAG", 0, 0);
   if (v <= 0 || groups < 2 || (K + bk - 1) / bk < stages) return 0;
@@ -519,8 +523,11 @@ std::string run(const GroupedArgs& g, Params& W, int rows_cta, int max_tokens, v
   const std::string e =
       launch_tile_list(g.offsets, g.E, g.R, out_cols, max_tokens, kChunk, W.tiles, W.count, out, dev.sm_count, stream);
   if (!e.empty()) return e;
-  return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device,
-                dev.sm_count, stream, name);
+  const std::string err = launch(one, two, W, cluster, threads, smem,
+                                 static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device, dev.sm_count, stream,
+                                 name);
+  if (err.empty() && W.lag > 0) g_lag_launches.fetch_add(1, std::memory_order_relaxed);
+  return err;
 }
 
 }  // namespace wsp

@@ -483,10 +483,10 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 
 
-def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16"):
+def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16", lagged=None):
     """gemm_grouped of `p` on the persistent bf16 (or fp8) kernel's form `form` once for each value
     of the environment variable `var` (None: unset), each one launch equal to the CPU, all bit for
-    bit the unset run's."""
+    bit the unset run's. lagged(value): whether that launch must run with the warpgroups' lag."""
     switch, counter = _WSP[scheme]
     monkeypatch.setenv(switch, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
@@ -496,9 +496,12 @@ def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16"):
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, value)
-        with _LaunchCount(_ffi.launch_counter(counter)) as ours:
+        with _LaunchCount(_ffi.launch_counter(counter)) as ours, \
+                _LaunchCount(_ffi.launch_counter("HjPrefillWspLagLaunches")) as lag:
             results[value], _ = _prefill_once_matches_cpu(p, f"{scheme} form {form} {var}={value}", "persistent")
         assert ours.count == 1, "the persistent kernel did not run"
+        if lagged is not None:
+            assert lag.count == int(lagged(value)), f"{var}={value}: {lag.count} launches with a lag"
     for value, got in results.items():
         np.testing.assert_array_equal(got, results[None], err_msg=f"{var}={value} differs from unset")
 
@@ -532,8 +535,11 @@ def test_prefill_persistent_warpgroup_lag_gives_one_result(rng, monkeypatch, for
     none) only shifts the warpgroups in time: every lag gives the unset run's bits, equal to the
     CPU, with warpgroups past N in the chain and items shorter than the ring."""
     p = _gemm_inputs(rng, scheme, 2400, 4, 64, n, kdim, "uniform", bias=True)
+    # The ring: 4 stages of 64 k (bf16) or 128 (fp8); the fp8 128-token forms' 5.
+    stage_k, ring = (64, 4) if scheme == "bf16" else (128, 5 if form in ("1", "2") else 4)
+    long_enough = -(-kdim // stage_k) >= ring
     _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_LAG", ("1", "2", "3", "4", "9", "x"),
-                           scheme)
+                           scheme, lagged=lambda v: long_enough and v not in (None, "x"))
 
 
 def _gather_call(x, ids, emap, w, b, e, k):

@@ -364,8 +364,8 @@ Error run_dequantized(const std::string& call, const GroupedArgs& g, const GemmP
 }
 
 // Whether our persistent bf16 kernel writes the gated rows itself for a call of this form: the
-// 256-token form (two consumer warpgroups: in the halves layout one takes the gate rows, the other
-// the up rows of the same output columns), N / 2 whole 16-byte runs, y 16-byte aligned.
+// 256-token form (two consumer warpgroups, each holding the gate and the up rows of its 32 output
+// columns: blocks of 128 weight rows), N / 2 whole 16-byte runs, y 16-byte aligned.
 bool wsp_gates(const WspForm& form, int64_t N, const void* y) {
   return form.max_tokens == 256 && N % 16 == 0 && aligned_to(y, 16);
 }

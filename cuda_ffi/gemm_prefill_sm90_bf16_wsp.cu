@@ -44,8 +44,6 @@
 //    warpgroup g reads gate rows 32 g + [0, 32) and up rows 32 g + [0, 32) of them; interleaved
 //    (swigluoai: rows 2i, 2i + 1) its 128 rows as usual, 64 a warpgroup. The activation call's
 //    pass over c (R x N read, R x N / 2 written) and c's own writes go away.
-//  * The warpgroups' lag (WspParams::lag, $HUMMING_JAX_PREFILL_WSP_LAG; wsp::lag_enter): consumer
-//    warpgroup g > 0 starts each item once g - 1 has issued `lag` stages of it.
 // K tails: the TMA fills columns past K with zeros on both operands, so K needs only 16-byte rows.
 // Rounding: acc (float32 over k) + bias, one rounding to bf16, the contract's order.
 #include <cuda_bf16.h>
@@ -122,7 +120,6 @@ struct WspParams {
   int div, R;
   int gate_act;  // kGate: the Activation code
   float gate_limit;
-  int lag;  // stages warpgroup g - 1 issues of an item before g starts it (wsp::lag_stages; 0: none)
 };
 
 constexpr int kGatherThreads = 128;  // the producer warpgroup
@@ -229,8 +226,7 @@ __device__ __forceinline__ void produce_gathered(const WspParams<kMaxTokens, kGa
 template <int kMaxTokens, int kCh, int kCluster>
 __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0, uint32_t bar_full,
                                         uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
-                                        float (&acc)[kMaxTokens / 2], int lane, int rank, bool gathered,
-                                        int arrive_after, int wg) {
+                                        float (&acc)[kMaxTokens / 2], int lane, int rank, bool gathered) {
   constexpr int kWBytes = Form<kMaxTokens>::kWBytes, kActBytes = Form<kMaxTokens>::kActBytes;
   uint32_t frag[2][4];
   uint32_t prev = 0;
@@ -271,7 +267,6 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
       slot = 0;
       phase ^= 1u;
     }
-    if (kt + 1 == arrive_after) wsp::lag_arrive(wg);  // the next warpgroup may start this item
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -322,7 +317,6 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
     float acc[kMaxTokens / 2];
     wsp::for_items<kCluster, kRowsCta>(W, rank, [&](int4 tile, int n0) {
       // A warpgroup past N skips the item's mainloop (group_item; the gated ones run every item).
-      const int arrive_after = wsp::lag_enter(W.lag, wg, kGroups, kGate == 0 && n0 + wg * 64 >= W.N);
       // One width (kChunk) on one accumulator array: the item's chunk count only picks how many
       // of its parts the MMAs cover.
       wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
@@ -331,7 +325,7 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
           wsp::group_item<kCh * kChunk, kCluster, kStages>(
               W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
                 consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, a, lane, rank,
-                                                   gathered, arrive_after, wg);
+                                                   gathered);
               });
         } else {
           // Both warpgroups run every item (rows past N are the TMA's zeros, columns past N / 2
@@ -343,7 +337,7 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
           float b[2];
           wsp::load_bias(W, tile.x, n0w, tid, b);
           consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, bar_full, bar_empty, slot, phase, acc, lane, rank,
-                                             false, arrive_after, wg);
+                                             false);
           if (W.bias != nullptr)
             wsp::store_gated<kGate, kCh * kChunk, true>(W, acc, b, tile.y, tile.z, j0, staging, tid);
           else
@@ -373,7 +367,6 @@ std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t s
   }
   W.gate_act = g.gate.act;
   W.gate_limit = g.gate.limit;
-  W.lag = wsp::lag_stages(F::kGroups, kStages, g.K, kBK);
   // Gathered tokens need no act maps (produce_gathered copies the rows itself); the halves layout
   // loads its 128 rows as two boxes of 64.
   std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g, kBK, kGate == 1 ? 64 : F::kRowsCta,
@@ -423,9 +416,4 @@ extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatherLaunch
 // ... of which wrote the gated rows of gemm_grouped_gated.
 extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillGatedLaunches() {
   return hj::prefill::g_gated_launches.load(std::memory_order_relaxed);
-}
-
-// Launches of either persistent kernel (bf16 or fp8) that ran with the warpgroups' lag.
-extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillWspLagLaunches() {
-  return hj::prefill::wsp::g_lag_launches.load(std::memory_order_relaxed);
 }

@@ -20,8 +20,8 @@
 //    stages ahead) times the CTA's weight-block scales beside the codes; one of them issues the
 //    TMA boxes.
 //  * Tiles of whole 32-token chunks (tile_list.cuh), one tensor map a operand, no descriptor update
-//    between experts, clusters of two sharing the tokens by multicast (=2), the warpgroups' lag
-//    (wsp::lag_enter, $HUMMING_JAX_PREFILL_WSP_LAG), as in the bf16 kernel.
+//    between experts, clusters of two sharing the tokens by multicast (=2), as in the bf16
+//    kernel.
 // Needs K % 128 == 0 and N % 128 == 0 (the CUTLASS kind's blocks). Output: acc (float32 over the
 // blocks) + bias, one rounding to bf16.
 #include <cuda_bf16.h>
@@ -95,7 +95,6 @@ struct Fp8WspParams {
   int* count;            // tiles in the list
   int N, K, R;
   int group;             // tiles per group of the work items' order (wsp::for_items)
-  int lag;               // stages warpgroup g - 1 issues of an item before g starts it (wsp::lag_stages)
 };
 
 __device__ __forceinline__ void sts32(uint32_t a, float v) {
@@ -197,7 +196,7 @@ __device__ __forceinline__ void promote(float (&acc)[kAcc], const float (&part)[
 template <int kMaxTokens, int kCh, int kCluster>
 __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32_t act0, uint32_t tok_t,
                                         uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
-                                        float (&acc)[kMaxTokens / 2], int lane, int rank, int arrive_after, int wg) {
+                                        float (&acc)[kMaxTokens / 2], int lane, int rank) {
   using F = Form<kMaxTokens>;
 #pragma unroll
   for (int i = 0; i < kCh * kChunk / 2; ++i) acc[i] = 0.0f;
@@ -240,7 +239,6 @@ __device__ __forceinline__ void consume(int KT, uint32_t w_t, uint32_t x, uint32
       slot = 0;
       phase ^= 1u;
     }
-    if (kt + 1 == arrive_after) wsp::lag_arrive(wg);  // the next warpgroup may start this item
   }
 }
 
@@ -282,13 +280,12 @@ __global__ void __launch_bounds__(Form<kMaxTokens>::kThreads, 1)
       // CTAs) second of the CTA's.
       const uint32_t blk_t =
           tok_t + F::kBlockScaleBytes * static_cast<uint32_t>(((n0 + 64 * wg) >> 7) - (n0 >> 7));
-      const int arrive_after = wsp::lag_enter(W.lag, wg, kGroups, n0 + wg * 64 >= W.N);
       wsp::by_chunks<kMaxTokens>(wsp::tile_width<kMaxTokens>(tile.z) / kChunk, [&](auto chunks) {
         constexpr int kCh = decltype(chunks)::value;
         wsp::group_item<kCh * kChunk, kCluster, kStages>(
             W, tile, n0 + wg * 64, KT, bar_full, bar_empty, slot, phase, acc, staging, tid, rank, [&](auto& a) {
               consume<kMaxTokens, kCh, kCluster>(KT, w_t, x, act0, blk_t, bar_full, bar_empty, slot, phase, a, lane,
-                                                 rank, arrive_after, wg);
+                                                 rank);
             });
       });
     });
@@ -308,7 +305,6 @@ std::string run_form(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t s
   W.a_scale = g.a_scale;
   W.w_scale = g.w_scale;
   W.R = static_cast<int>(g.R);
-  W.lag = wsp::lag_stages(F::kGroups, F::kStages, g.K, kBK);
   std::string e = wsp::tensor_maps(W, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, g, kBK, F::kRowsCta);  // e4m3 codes as bytes
   if (e.empty())
     e = wsp::run(g, W, F::kRowsCta, kMaxTokens, gemm8_wsp_kernel<kMaxTokens, 1>, gemm8_wsp_kernel<kMaxTokens, 2>,

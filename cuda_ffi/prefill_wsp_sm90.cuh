@@ -12,7 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -170,40 +169,6 @@ __device__ __forceinline__ void release(uint32_t bar, int lane, int rank) {
     __syncwarp();
     if (lane == 0) mbar_arrive_cluster(bar, static_cast<uint32_t>(rank ^ 1));
   }
-}
-
-// The consumer warpgroups' lag ($HUMMING_JAX_PREFILL_WSP_LAG; 0, the default: none): warpgroup
-// g > 0 starts each item's mainloop only once warpgroup g - 1 has issued `lag` of its stages, so
-// that they reach their epilogues at different times and each one's epilogue runs while another
-// issues MMAs (in step, all of them store at once and the tensor pipe idles). Warpgroup g waits
-// on named barrier kLagBarrier + g - 1 and signals kLagBarrier + g (1 .. 3: the epilogues').
-// A leader runs at most lag x (groups - 1) stages ahead of the last follower, which must fit the
-// ring (clamped); items of fewer stages than the ring run without it, so that a leader cannot
-// arrive for an item before its follower took the previous one.
-constexpr int kLagBarrier = 4;
-// Launches of either persistent kernel with a lag (HjPrefillWspLagLaunches): lets the GPU tests
-// prove that a lag they ask for is taken.
-inline std::atomic<uint64_t> g_lag_launches{0};
-inline int lag_stages(int groups, int stages, int64_t K, int bk) {
-  const int64_t v = env_count("HUMMING_JAX_PREFILL_WSP_LAG", 0, 0);
-  if (v <= 0 || groups < 2 || (K + bk - 1) / bk < stages) return 0;
-  return static_cast<int>(std::min<int64_t>(v, stages / (groups - 1)));
-}
-// Warpgroup wg's signal to wg + 1 (non-blocking), in consume after its arrive_after-th stage.
-__device__ __forceinline__ void lag_arrive(int wg) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(kLagBarrier + wg) : "memory");
-}
-// Warpgroup wg's turn at an item (past: its rows all past N, no mainloop): waits for wg - 1, then
-// returns the stage count after which it lets wg + 1 go (0: not in consume; past: at once).
-__device__ __forceinline__ int lag_enter(int lag, int wg, int groups, bool past) {
-  if (lag <= 0) return 0;
-  if (wg > 0) asm volatile("bar.sync %0, 256;\n" ::"r"(kLagBarrier + wg - 1) : "memory");
-  if (wg + 1 == groups) return 0;
-  if (past) {
-    lag_arrive(wg);
-    return 0;
-  }
-  return lag;
 }
 
 // An item of a warpgroup whose 64 rows all lie past N (in a CTA's last block of rows, where N does
@@ -523,11 +488,8 @@ std::string run(const GroupedArgs& g, Params& W, int rows_cta, int max_tokens, v
   const std::string e =
       launch_tile_list(g.offsets, g.E, g.R, out_cols, max_tokens, kChunk, W.tiles, W.count, out, dev.sm_count, stream);
   if (!e.empty()) return e;
-  const std::string err = launch(one, two, W, cluster, threads, smem,
-                                 static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device, dev.sm_count, stream,
-                                 name);
-  if (err.empty() && W.lag > 0) g_lag_launches.fetch_add(1, std::memory_order_relaxed);
-  return err;
+  return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs,
+                dev.device, dev.sm_count, stream, name);
 }
 
 }  // namespace wsp

@@ -483,10 +483,10 @@ def test_prefill_persistent_kernel_matches_cpu_and_cutlass(rng, monkeypatch, for
     np.testing.assert_array_equal(again, got, err_msg=f"{what}: not deterministic")
 
 
-def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16", lagged=None):
+def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16"):
     """gemm_grouped of `p` on the persistent bf16 (or fp8) kernel's form `form` once for each value
     of the environment variable `var` (None: unset), each one launch equal to the CPU, all bit for
-    bit the unset run's. lagged(value): whether that launch must run with the warpgroups' lag."""
+    bit the unset run's."""
     switch, counter = _WSP[scheme]
     monkeypatch.setenv(switch, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
@@ -496,12 +496,9 @@ def _persistent_bits_agree(monkeypatch, p, form, var, values, scheme="bf16", lag
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, value)
-        with _LaunchCount(_ffi.launch_counter(counter)) as ours, \
-                _LaunchCount(_ffi.launch_counter("HjPrefillWspLagLaunches")) as lag:
+        with _LaunchCount(_ffi.launch_counter(counter)) as ours:
             results[value], _ = _prefill_once_matches_cpu(p, f"{scheme} form {form} {var}={value}", "persistent")
         assert ours.count == 1, "the persistent kernel did not run"
-        if lagged is not None:
-            assert lag.count == int(lagged(value)), f"{var}={value}: {lag.count} launches with a lag"
     for value, got in results.items():
         np.testing.assert_array_equal(got, results[None], err_msg=f"{var}={value} differs from unset")
 
@@ -517,29 +514,6 @@ def test_prefill_persistent_work_order_groups_give_one_result(rng, monkeypatch, 
     # cluster's second CTA past N on the last pair).
     p = _gemm_inputs(rng, "bf16", 2400, 4, 64, 520, 328, "uniform", bias=True)
     _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_GROUP", ("1", "3", "8", "1024"))
-
-
-@requires_prefill
-@pytest.mark.parametrize("form", ["1", "2", "3", "4"])
-@pytest.mark.parametrize("scheme,n,kdim", [
-    ("bf16", 520, 328),  # 6 stages an item; the cluster's second CTA past N on the last pair
-    ("bf16", 400, 392),  # the last block's second warpgroup (form 1, 2: and third) past N
-    ("bf16", 264, 136),  # 3 stages an item: fewer than the ring's, so the lag stays off
-    ("w8a8-fp8-block128", 512, 768),  # 6 stages of 128 k
-    ("w8a8-fp8-block128", 256, 768),  # form 1, 2: the second 192-row block's warpgroups 1, 2 past N
-    ("w8a8-fp8-block128", 384, 384),  # 3 stages: the lag stays off
-])
-def test_prefill_persistent_warpgroup_lag_gives_one_result(rng, monkeypatch, form, scheme, n, kdim):
-    """The persistent kernels' warpgroup lag ($HUMMING_JAX_PREFILL_WSP_LAG: stages a consumer
-    warpgroup issues of an item before the next starts it, clamped to the ring; "x" is malformed:
-    none) only shifts the warpgroups in time: every lag gives the unset run's bits, equal to the
-    CPU, with warpgroups past N in the chain and items shorter than the ring."""
-    p = _gemm_inputs(rng, scheme, 2400, 4, 64, n, kdim, "uniform", bias=True)
-    # The ring: 4 stages of 64 k (bf16) or 128 (fp8); the fp8 128-token forms' 5.
-    stage_k, ring = (64, 4) if scheme == "bf16" else (128, 5 if form in ("1", "2") else 4)
-    long_enough = -(-kdim // stage_k) >= ring
-    _persistent_bits_agree(monkeypatch, p, form, "HUMMING_JAX_PREFILL_WSP_LAG", ("1", "2", "3", "4", "9", "x"),
-                           scheme, lagged=lambda v: long_enough and v not in (None, "x"))
 
 
 def _gather_call(x, ids, emap, w, b, e, k):
@@ -647,18 +621,13 @@ def _run_gated(args, e, k, activation, limit):
     (2048, 8, 64, 400, 256, "zero_rows"),  # experts without rows; a warpgroup's columns all past N / 2
     (1024, 1, 8, 256, 512, "one_expert"),  # one expert's rows over many tiles
 ])
-@pytest.mark.parametrize("lag", [None, "3"])
-def test_prefill_gated_epilogue_equals_two_calls(rng, monkeypatch, form, activation, limit, m, k, e, n, kdim, kind,
-                                                 lag):
+def test_prefill_gated_epilogue_equals_two_calls(rng, monkeypatch, form, activation, limit, m, k, e, n, kdim, kind):
     """gemm_grouped_gated on the persistent bf16 kernel's 256-token forms writes act(gate, up) of its
     rounded rows (each warpgroup the gate and up rows of its 32 columns: the halves layout's two
-    boxes, swigluoai's interleaved rows), with the warpgroups in step or lagging
-    ($HUMMING_JAX_PREFILL_WSP_LAG; off at K = 136, 3 stages): bit for bit gemm_grouped + the
-    activation kernel on the same kernel, equal to the CPU, rows past the last offset zeros."""
+    boxes, swigluoai's interleaved rows): bit for bit gemm_grouped + the activation kernel on the
+    same kernel, equal to the CPU, rows past the last offset zeros."""
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
-    if lag is not None:
-        monkeypatch.setenv("HUMMING_JAX_PREFILL_WSP_LAG", lag)
     args = _gated_inputs(rng, m, k, e, n, kdim, kind)
     (fused, two, off), gated, ours = _run_gated(jax.device_put(args, GPU), e, k, activation, limit)
     assert gated == 1, f"{gated} gated launches"

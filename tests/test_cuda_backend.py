@@ -133,10 +133,10 @@ def test_routing_per_expert_kernel_at_decode_sizes(rng, monkeypatch, m, k, e_glo
 @pytest.mark.parametrize("cols,dtype,m,k", [(64, jnp.bfloat16, 37, 3), (33, jnp.bfloat16, 37, 3), (7, jnp.float16, 37, 3),
                                             (128, jnp.float8_e4m3fn, 37, 3), (5, jnp.float8_e4m3fn, 37, 3),
                                             (3, jnp.float32, 37, 3), (16, jnp.int8, 37, 3),
-                                            # rows of 257 16-byte units: a lane's second batch, partly past the row
-                                            (2056, jnp.bfloat16, 150, 4),
-                                            # more rows than the launch's warps: each warp takes several
-                                            (16, jnp.bfloat16, 4200, 8)])
+                                            # rows of >= 32 units (33 2-byte ones above) take a warp a row: 257
+                                            # 16-byte units (a lane's second batch, partly past the row), and more
+                                            # rows than the launch's warps (each warp takes several)
+                                            (2056, jnp.bfloat16, 150, 4), (256, jnp.bfloat16, 4200, 8)])
 def test_permute_rows_matches_cpu(rng, cols, dtype, m, k):
     e = 6
     ids, emap = random_routing(rng, m, k, e, e, 0.2)

@@ -9,9 +9,10 @@ targets check. Nothing in the section is typed by hand.
   python benchmarks/readme_table.py --all                    # every bench_moe JSON in benchmarks/results/h200/
   python benchmarks/readme_table.py --check                  # exit 1 if README.md is out of date
   python benchmarks/readme_table.py OLD.json:-w8a8-fp8-block128 NEW-fp8.json   # a later run replaces a format
+  python benchmarks/readme_table.py OLD.json:-bf16@qwen3-30b-a3b NEW-qwen3.json  # ... one shape's format
 
 ``FILE:-FMT[,FMT...]`` leaves those formats' rows of FILE out (a later run in the list measured them
-again); the section names what was left out of which run. Without files, the section's own first
+again), ``FMT@SHAPE`` only that shape's; the section names what was left out of which run. Without files, the section's own first
 line (the files it was generated from, and what it left out of each) is the list, so a README built
 from a chosen set of runs checks and regenerates from that set; a README without one uses --all.
 """
@@ -32,7 +33,8 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
 def parse_file(arg: str) -> tuple[Path, tuple[str, ...]]:
-    """``PATH`` or ``PATH:-FMT[,FMT...]``: the file and the formats to leave out of it."""
+    """``PATH`` or ``PATH:-FMT[,FMT...]``: the file and the formats (``FMT`` or ``FMT@SHAPE``) to
+    leave out of it."""
     path, sep, drop = arg.partition(":-")
     fmts = tuple(f for f in drop.split(",") if f) if sep else ()
     if sep and not fmts:
@@ -60,6 +62,12 @@ def files_in_readme(text: str, root: Path) -> list[tuple[Path, tuple[str, ...]]]
 RUN_PEERS = ("torch_grouped_mm", "ragged_dot")
 
 
+def dropped(row: dict, drop: tuple[str, ...]) -> bool:
+    """Whether ``drop`` (formats, or ``FMT@SHAPE``: a format of one shape) names the row's point."""
+    fmt = row.get("format")
+    return fmt in drop or f"{fmt}@{row.get('shape')}" in drop
+
+
 def load_without(path: Path, drop: tuple[str, ...]) -> dict:
     """A result file without our rows and humming-kernels' rows (and the targets' inputs) of the
     formats in ``drop``. The run's bf16 peers stay: they are the same-run reference of its other
@@ -67,7 +75,7 @@ def load_without(path: Path, drop: tuple[str, ...]) -> dict:
     data = report.load(path)
     if drop:
         data = {**data, "rows": [r for r in data.get("rows", [])
-                                 if r.get("format") not in drop or r.get("system") in RUN_PEERS]}
+                                 if not dropped(r, drop) or r.get("system") in RUN_PEERS]}
         data.pop("targets", None)
     return data
 

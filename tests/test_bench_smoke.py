@@ -127,6 +127,13 @@ def test_bench_moe_smoke_on_cpu(tmp_path):
     assert gen.returncode == 0, gen.stderr
     text = readme.read_text()
     assert "| smoke | tiny | bf16 | 2 |" not in text and "(without its bf16 rows)" in text
+    # FILE:-FORMAT@SHAPE leaves one shape's rows of a format out, and only those
+    for drop, gone in (("bf16@tiny", True), ("bf16@other-shape", False)):
+        gen = subprocess.run([sys.executable, str(BENCH / "readme_table.py"), f"{out}:-{drop}", "--readme", str(readme)],
+                             capture_output=True, text=True, timeout=120)
+        assert gen.returncode == 0, gen.stderr
+        text = readme.read_text()
+        assert ("| smoke | tiny | bf16 | 2 |" not in text) == gone and f"(without its {drop} rows)" in text
     # Without files, the section's own list (and what it leaves out) is checked and regenerated.
     check = subprocess.run([sys.executable, str(BENCH / "readme_table.py"), "--readme", str(readme), "--check"],
                            capture_output=True, text=True, timeout=120)

@@ -240,7 +240,7 @@ def fused_activation() -> int:
     """Where a gated activation with 16-bit activations is applied in GEMM1's call (the GEMM writes
     act(gate, up)) rather than in a call of its own: 0, nowhere; 1 (the default), in the indexed
     class (``gemm_indexed_gated``); 2, also in the grouped class (``gemm_grouped_gated``: opt-in,
-    measured 0.90-1.01x the separate call at prefill sizes on the H100, benchmarks/NOTES.md v18).
+    measured 0.90-1.02x the separate call at prefill sizes on the H100, benchmarks/NOTES.md v18, v20).
     Read at trace time from ``HUMMING_JAX_FUSED_ACTIVATION``. The values are the same either way,
     except on a GPU for the indexed class's halves layout where GEMM1's K split differs (see
     ``gemm_indexed_gated``)."""

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check, one device call (< 10 minutes; seen on the H200: the test stages side by side
-# ~5 minutes, each sanitizer pass ~12 s, benchmark ~80 s, plus about a minute of machine start; on
-# the H100 the fast decode tests alone take ~6 minutes, hence their 420 s limit):
+# The GPU check, one device call (< 10 minutes; seen on the H200: the test stages side by side in
+# two shards each ~3.5 minutes, the sanitizer passes ~50 s (now beside the tests), benchmark ~60 s,
+# plus a minute or more of machine start):
 # installs the carried libraries (.gpu/, built by scripts/build_gpu_artifacts.sh; .whl/ wheels) through
 # scripts/device_env.sh, stops unless the CUDA handlers register, reports the
-# backends, runs the test suite on the GPU (CUDA backend, fast paths, the rest), runs
-# compute-sanitizer (memcheck, racecheck) over scripts/sanitize_driver.py, then a short benchmark
-# against jax.lax.ragged_dot. Logs, JUnit XML and JSON land in $OUT; a summary table prints last.
+# backends, runs the test suite on the GPU (CUDA backend, fast paths, the rest) and beside it
+# compute-sanitizer (memcheck, racecheck) over scripts/sanitize_driver.py, then, alone on the GPU,
+# a short benchmark against jax.lax.ragged_dot. Logs, JUnit XML and JSON land in $OUT; a summary table prints last.
 #
 #   scripts/gpu_check.sh                      # everything
 #   HJ_STAGES=cuda_tests,memcheck scripts/gpu_check.sh
@@ -70,23 +70,38 @@ stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
     sharded_stage tests ${HJ_TESTS_TIMEOUT:-420} tests --ignore=tests/test_cuda_backend.py \
       --ignore=tests/test_cuda_fast_paths.py $PYTEST_ARGS
   fi
+  # The sanitizer passes run beside the test stages too, one after the other (each pass checks
+  # only its own process; seen alone on the H200: ~16 s and ~33 s, whose time the tests then hide).
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  declare -A SAN_PIDS
+  sanitize() {  # tool: its pass over scripts/sanitize_driver.py into $OUT/tool.log, exit status in $OUT/tool.rc
+    local tool=$1
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0" timeout ${HJ_SANITIZER_TIMEOUT:-240} \
+      "$SAN" --tool "$tool" --error-exitcode 17 --print-limit 30 python3 scripts/sanitize_driver.py > "$OUT/$tool.log" 2>&1
+    echo $? > "$OUT/$tool.rc"
+  }
+  SAN_TOOLS=()
+  for tool in memcheck racecheck; do want $tool && SAN_TOOLS+=("$tool"); done
+  if (( ${#SAN_TOOLS[@]} )); then
+    stage "compute-sanitizer ${SAN_TOOLS[*]} (background)"
+    ( for tool in "${SAN_TOOLS[@]}"; do sanitize "$tool"; done ) &
+    SAN_PID=$!
+  fi
   for name in $(printf '%s\n' "${!PIDS[@]}" | sort); do
     wait "${PIDS[$name]}"
     STATUS[$name]=$?
     stage "$name: exit ${STATUS[$name]}"
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -25
   done
-
-  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in memcheck racecheck; do
-    if want $tool; then
-      stage "compute-sanitizer $tool"
-      XLA_FLAGS="--xla_gpu_autotune_level=0" timeout ${HJ_SANITIZER_TIMEOUT:-120} "$SAN" --tool $tool --error-exitcode 17 --print-limit 30 \
-        python3 scripts/sanitize_driver.py > "$OUT/$tool.log" 2>&1
-      STATUS[$tool]=$?
+  if (( ${#SAN_TOOLS[@]} )); then
+    wait "$SAN_PID"
+    for tool in "${SAN_TOOLS[@]}"; do
+      STATUS[$tool]=$(cat "$OUT/$tool.rc" 2>/dev/null || echo "no status")
+      rm -f "$OUT/$tool.rc"
+      stage "compute-sanitizer $tool: exit ${STATUS[$tool]}"
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|Hazard|sanitize_driver:" "$OUT/$tool.log" | tail -15
-    fi
-  done
+    done
+  fi
 
   if want bench; then
     stage benchmark

@@ -1,6 +1,7 @@
-"""scripts/gpu_check.sh's test stages, run here with a stand-in python3 (no GPU needed): each long
-suite runs as HJ_TEST_SHARDS processes that together select every test once (tests/conftest.py's
-$HUMMING_JAX_TEST_SHARD), and the summary adds the shards' JUnit counts up."""
+"""scripts/gpu_check.sh's test stages, run here with a stand-in python3 and compute-sanitizer (no GPU
+needed): each long suite runs as HJ_TEST_SHARDS processes that together select every test once
+(tests/conftest.py's $HUMMING_JAX_TEST_SHARD), the summary adds the shards' JUnit counts up, and
+the sanitizer passes run while the test stages do, their exit statuses kept."""
 
 from __future__ import annotations
 
@@ -23,15 +24,24 @@ if [[ $1 == -m && $2 == pytest ]]; then
   for a in "$@"; do
     [[ $a == --junitxml=* ]] && echo '<testsuite tests="3" failures="0" errors="0" skipped="1"/>' > "${a#--junitxml=}"
   done
+  sleep "${STUB_TEST_SECONDS:-0}"
+  echo "ended $(date +%s%N)" >> "$STUB_LOG"
   echo "3 passed"
   exit 0
 fi
 [[ $1 == - ]] && exec "$REAL_PYTHON" "$@"
 exit 0
 """
+# Stands in for compute-sanitizer: records the pass and when it started; racecheck reports hazards
+# (exit 17, as --error-exitcode asks), memcheck none.
+SANITIZER = """#!/usr/bin/env bash
+echo "sanitizer $2 started $(date +%s%N)" >> "$STUB_LOG"
+if [[ $2 == racecheck ]]; then echo "========= RACECHECK SUMMARY: 2 hazards displayed"; exit 17; fi
+echo "========= ERROR SUMMARY: 0 errors"
+"""
 
 
-def _run(tmp_path, shards):
+def _run(tmp_path, shards, stages="cuda_tests,fast_tests,tests", test_seconds=0):
     root = tmp_path / "tree"
     (root / "scripts").mkdir(parents=True)
     (root / "humming_jax").mkdir()
@@ -42,11 +52,13 @@ def _run(tmp_path, shards):
     (root / ".gpu" / "libhumming_jax_cuda.so").write_bytes(b"cuda library")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").write_text(STUB)
-    (bin_dir / "python3").chmod(0o755)
+    for name, text in (("python3", STUB), ("compute-sanitizer", SANITIZER)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
     out, log = tmp_path / "out", tmp_path / "stub.log"
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), STUB_LOG=str(log),
-               REAL_PYTHON=sys.executable, HJ_STAGES="cuda_tests,fast_tests,tests", HJ_AB_DIR=str(tmp_path / "ab"))
+               REAL_PYTHON=sys.executable, HJ_STAGES=stages, HJ_AB_DIR=str(tmp_path / "ab"),
+               STUB_TEST_SECONDS=str(test_seconds))
     if shards is not None:
         env["HJ_TEST_SHARDS"] = str(shards)
     res = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=root, env=env, capture_output=True, text=True,
@@ -71,3 +83,16 @@ def test_long_suites_run_as_shards_and_the_summary_adds_them(tmp_path, shards):
     assert cuda == [f"shard= args=-q -p no:cacheprovider -rf --junitxml={tmp_path}/out/junit_cuda.xml "
                     "tests/test_cuda_backend.py"], runs
     assert "junit_cuda.xml           tests=3 failures=0 errors=0 skipped=1\n" in summary
+
+
+def test_sanitizer_passes_run_beside_the_test_stages(tmp_path):
+    res, runs, summary = _run(tmp_path, 2, "cuda_tests,fast_tests,tests,memcheck,racecheck", test_seconds=2)
+    assert res.returncode == 0, res.stdout + res.stderr
+    started = {r.split()[1]: int(r.split()[3]) for r in runs if r.startswith("sanitizer ")}
+    assert sorted(started) == ["memcheck", "racecheck"], runs
+    assert started["memcheck"] <= started["racecheck"], "the passes run one after the other"
+    last_test = max(int(r.split()[1]) for r in runs if r.startswith("ended "))
+    assert max(started.values()) < last_test, "a sanitizer pass waited for the test stages"
+    assert "stage memcheck: exit 0" in summary and "stage racecheck: exit 17" in summary, summary
+    assert "ERROR SUMMARY: 0 errors" in summary and "RACECHECK SUMMARY: 2 hazards" in summary, summary
+    assert not list((tmp_path / "out").glob("*.rc"))

@@ -290,6 +290,25 @@ def test_e4m3_codes_match_cpu_bit_for_bit(rng, dtype):
     np.testing.assert_array_equal(gpu, cpu, err_msg="GPU codes vs CPU codes")
 
 
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_zero_groups_quantize_to_zero_codes(rng, quant):
+    """Groups of signed zeros have scale 0 and codes 0 (quant_code_value: no division by a zero
+    scale), bit for bit the CPU's, beside groups of random values."""
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    x[1, :128] = -0.0
+    x[2, 256:384] = 0.0
+    x[3, :] = -0.0
+    x[4, 128:256] = np.where(rng.random(128) < 0.5, -0.0, 0.0)
+    x = jnp.asarray(x, jnp.bfloat16)
+    fn = lambda x: act_ops.quantize(x, quant, 128)
+    (cq, cs), (gq, gs) = both(fn, x)
+    np.testing.assert_array_equal(np.asarray(gs), np.asarray(cs), err_msg="scales")
+    gbits = np.asarray(jax.lax.bitcast_convert_type(gq, jnp.uint8))
+    cbits = np.asarray(jax.lax.bitcast_convert_type(cq, jnp.uint8))
+    np.testing.assert_array_equal(gbits, cbits, err_msg="codes")
+    assert np.all(cbits[1, :128] == 0) and np.all(cbits[3] == 0) and np.all(np.asarray(cs)[3] == 0)
+
+
 @pytest.mark.parametrize("dtype,h", [(jnp.bfloat16, 64), (jnp.float16, 37)])
 def test_finalize_matches_cpu_and_writes_every_row(rng, dtype, h):
     m, k, rows = 19, 4, 60

@@ -12,9 +12,10 @@ targets check. Nothing in the section is typed by hand.
   python benchmarks/readme_table.py OLD.json:-bf16@qwen3-30b-a3b NEW-qwen3.json  # ... one shape's format
 
 ``FILE:-FMT[,FMT...]`` leaves those formats' rows of FILE out (a later run in the list measured them
-again), ``FMT@SHAPE`` only that shape's; the section names what was left out of which run. Without files, the section's own first
-line (the files it was generated from, and what it left out of each) is the list, so a README built
-from a chosen set of runs checks and regenerates from that set; a README without one uses --all.
+again), ``FMT@SHAPE`` only that shape's; the section names what was left out of which run. Without
+files, the section's own first line (the files it was generated from, and what it left out of
+each) is the list, so a README built from a chosen set of runs checks and regenerates from that
+set; a README without one uses --all.
 """
 
 from __future__ import annotations

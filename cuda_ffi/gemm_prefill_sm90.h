@@ -225,8 +225,8 @@ Error run_grouped(const std::string& call, const GroupedArgs& args, const Device
 // gather (optional): the call's rows are gathered token rows; the prefill kernel then runs only
 // where it gathers them itself (*handled = false otherwise: the caller permutes them into `a`).
 // gate (optional, with gated): where the kernel applies the gated activation itself (our bf16
-// kernel's 256-token form, N a multiple of 16) it writes gate->y and sets *gated (the caller starts it false); otherwise c, and the caller
-// activates it.
+// kernel's 256-token form, N a multiple of 16) it writes gate->y and sets *gated (the caller
+// starts it false); otherwise c, and the caller activates it.
 Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* offsets, int64_t R,
                   void* workspace, size_t ws_bytes, cudaStream_t stream, bool* handled,
                   const GatherRows* gather = nullptr, const GatedOut* gate = nullptr, bool* gated = nullptr);

@@ -20,8 +20,7 @@
 //    stages ahead) times the CTA's weight-block scales beside the codes; one of them issues the
 //    TMA boxes.
 //  * Tiles of whole 32-token chunks (tile_list.cuh), one tensor map a operand, no descriptor update
-//    between experts, clusters of two sharing the tokens by multicast (=2), as in the bf16
-//    kernel.
+//    between experts, clusters of two sharing the tokens by multicast (=2), as in the bf16 kernel.
 // Needs K % 128 == 0 and N % 128 == 0 (the CUTLASS kind's blocks). Output: acc (float32 over the
 // blocks) + bias, one rounding to bf16.
 #include <cuda_bf16.h>

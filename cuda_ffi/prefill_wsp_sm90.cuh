@@ -488,8 +488,8 @@ std::string run(const GroupedArgs& g, Params& W, int rows_cta, int max_tokens, v
   const std::string e =
       launch_tile_list(g.offsets, g.E, g.R, out_cols, max_tokens, kChunk, W.tiles, W.count, out, dev.sm_count, stream);
   if (!e.empty()) return e;
-  return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs,
-                dev.device, dev.sm_count, stream, name);
+  return launch(one, two, W, cluster, threads, smem, static_cast<int64_t>(list_entries(g.R, g.E)) * pairs, dev.device,
+                dev.sm_count, stream, name);
 }
 
 }  // namespace wsp

@@ -6,7 +6,8 @@
 # scripts/device_env.sh, stops unless the CUDA handlers register, reports the
 # backends, runs the test suite on the GPU (CUDA backend, fast paths, the rest) and beside it
 # compute-sanitizer (memcheck, racecheck) over scripts/sanitize_driver.py, then, alone on the GPU,
-# a short benchmark against jax.lax.ragged_dot. Logs, JUnit XML and JSON land in $OUT; a summary table prints last.
+# a short benchmark against jax.lax.ragged_dot. Logs, JUnit XML and JSON land in $OUT; a summary
+# table prints last.
 #
 #   scripts/gpu_check.sh                      # everything
 #   HJ_STAGES=cuda_tests,memcheck scripts/gpu_check.sh
@@ -73,7 +74,6 @@ stage() { echo; echo ">>> $1 ($(( $(date +%s) - T0 )) s)"; }
   # The sanitizer passes run beside the test stages too, one after the other (each pass checks
   # only its own process; seen alone on the H200: ~16 s and ~33 s, whose time the tests then hide).
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  declare -A SAN_PIDS
   sanitize() {  # tool: its pass over scripts/sanitize_driver.py into $OUT/tool.log, exit status in $OUT/tool.rc
     local tool=$1
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0" timeout ${HJ_SANITIZER_TIMEOUT:-240} \

@@ -84,7 +84,7 @@ def test_gated_gemm_equals_two_calls(rng, scheme, dtype, activation, limit):
     w = SCHEMES[scheme].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
     fn, ops = testing.gated_forms(rng, w, bias, dtype, testing.distinct_topk_ids(rng, m, k, e), activation,
-                                          limit)
+                                  limit)
     testing.assert_fused_equals_two(jax.jit(fn)(*ops), exact=_exact(activation))
 
 
@@ -99,7 +99,6 @@ def test_gated_gemm_rejects_bad_input(rng):
     w_odd = SCHEMES["bf16"].quantize(rng.standard_normal((e, n + 1, kdim)).astype(np.float32), jnp.bfloat16)
     with pytest.raises(ValueError, match="even number of weight rows"):
         gemm_ops.gemm_indexed_gated(x, None, w_odd, None, r, activation="silu", **common)
-
 
 
 # The grouped class: its GEMM1 over the permuted rows, the activation in the GEMM's call where the

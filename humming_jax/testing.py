@@ -208,6 +208,24 @@ def assert_fused_equals_two(got: dict, *, exact: bool = True) -> None:
     np.testing.assert_allclose(fused, two, rtol=8 * eps, atol=8 * eps * float(np.abs(two).max()))
 
 
+def grouped_gated_both(
+    x: jax.Array,
+    ids: jax.Array,
+    expert_map: jax.Array | None,
+    w: PackedWeight,
+    bias: jax.Array | None,
+    activation: str,
+    limit: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GEMM1 of the grouped class both ways on the permuted rows of x: (gemm_grouped_gated,
+    gemm_grouped + ``activation``, the routing's expert_first_token_offset), both in x's dtype."""
+    r = routing_ops.routing_grouped(ids, expert_map, w.num_experts)
+    a, off = routing_ops.permute_rows(x, r, ids.shape[1]), r.expert_first_token_offset
+    fused = gemm_ops.gemm_grouped_gated(a, w, bias, off, out_dtype=x.dtype, activation=activation, limit=limit)
+    two = act_ops.activation(gemm_ops.gemm_grouped(a, None, w, bias, off, out_dtype=x.dtype), activation, limit)
+    return fused, two, off
+
+
 def gated_forms(
     rng: np.random.Generator,
     w: PackedWeight,
@@ -238,10 +256,7 @@ def gated_forms(
             fused = gemm_ops.gemm_indexed_gated(x, None, w, bias, r, activation=activation, limit=limit, **common)
             two = act_ops.activation(gemm_ops.gemm_indexed(x, None, w, bias, r, **common), activation, limit)
             return dict(fused=fused, two=two, src=r.src_rows)
-        r = routing_ops.routing_grouped(ids, None, e)
-        a, off = routing_ops.permute_rows(x, r, k), r.expert_first_token_offset
-        fused = gemm_ops.gemm_grouped_gated(a, w, bias, off, out_dtype=dtype, activation=activation, limit=limit)
-        two = act_ops.activation(gemm_ops.gemm_grouped(a, None, w, bias, off, out_dtype=dtype), activation, limit)
+        fused, two, off = grouped_gated_both(x, ids, None, w, bias, activation, limit)
         return dict(fused=fused, two=two, src=jnp.where(jnp.arange(m * k) < off[-1], 0, -1), offsets=off)
 
     return fn, (x, ids, w, bias)

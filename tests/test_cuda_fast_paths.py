@@ -29,6 +29,7 @@ from humming_jax.reference import InputQuant, batched_reference, moe_reference, 
 from humming_jax.testing import (
     gated_forms,
     gemm_forms,
+    grouped_gated_both,
     indexed_quant_forms,
     random_packed_weight,
 )
@@ -584,15 +585,6 @@ def test_prefill_gather_switch_picks_the_forms(rng, monkeypatch):
         assert gathered.count == int(gathers), f"switch {switch} form {form}"
 
 
-def _gated_call(x, ids, emap, w, b, e, k, activation, limit):
-    """GEMM1 of the grouped class both ways: gemm_grouped_gated, and gemm_grouped + activation."""
-    r = routing_ops.routing_grouped(ids, emap, e)
-    a, off = routing_ops.permute_rows(x, r, k), r.expert_first_token_offset
-    fused = gemm_ops.gemm_grouped_gated(a, w, b, off, out_dtype=x.dtype, activation=activation, limit=limit)
-    two = act_ops.activation(gemm_ops.gemm_grouped(a, None, w, b, off, out_dtype=x.dtype), activation, limit)
-    return fused, two, off
-
-
 def _gated_inputs(rng, m, k, e, n, kdim, kind):
     w = SCHEMES["bf16"].quantize((rng.standard_normal((e, n, kdim)) / np.sqrt(kdim)).astype(np.float32), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32) * 0.1)
@@ -600,16 +592,16 @@ def _gated_inputs(rng, m, k, e, n, kdim, kind):
     return x, _routing_ids(rng, m, k, e, kind), _expert_map(e, kind), w, b
 
 
-def _run_gated(args, e, k, activation, limit):
+def _run_gated(args, k, activation, limit):
     """One jitted gated call on the GPU (its results' memory poisoned with NaN first): (fused, two,
     offsets) as NumPy, and the launches of the gated epilogue and of the persistent kernel."""
     junk = jax.device_put(jnp.full((args[0].shape[0] * k, args[3].n), jnp.nan, jnp.bfloat16), GPU)
     junk.block_until_ready()
     del junk
-    f = jax.jit(_gated_call, static_argnums=(5, 6, 7, 8))
+    f = jax.jit(grouped_gated_both, static_argnums=(5, 6))
     with _LaunchCount(_ffi.launch_counter("HjPrefillGatedLaunches")) as gated, \
             _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
-        fused, two, off = jax.block_until_ready(f(*args, e, k, activation, limit))
+        fused, two, off = jax.block_until_ready(f(*args, activation, limit))
     return (_to_np(fused), _to_np(two), np.asarray(off)), gated.count, ours.count
 
 
@@ -629,13 +621,12 @@ def test_prefill_gated_epilogue_equals_two_calls(rng, monkeypatch, form, activat
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
     args = _gated_inputs(rng, m, k, e, n, kdim, kind)
-    (fused, two, off), gated, ours = _run_gated(jax.device_put(args, GPU), e, k, activation, limit)
+    (fused, two, off), gated, ours = _run_gated(jax.device_put(args, GPU), k, activation, limit)
     assert gated == 1, f"{gated} gated launches"
     assert ours == 2, f"{ours} launches of the persistent kernel (the gated call and the plain one)"
     assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
     np.testing.assert_array_equal(fused, two, err_msg="the gated epilogue differs from GEMM + activation")
-    want, _, _ = jax.jit(_gated_call, static_argnums=(5, 6, 7, 8))(*jax.device_put(args, CPU), e, k, activation,
-                                                                    limit)
+    want, _, _ = jax.jit(grouped_gated_both, static_argnums=(5, 6))(*jax.device_put(args, CPU), activation, limit)
     _assert_close(fused, _to_np(want), jnp.bfloat16, f"form {form} {activation} {kind}")
     last = int(off[-1])
     assert last < m * k or kind != "tail"
@@ -650,7 +641,7 @@ def test_prefill_gated_call_activates_apart_where_the_epilogue_cannot(rng, monke
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_BF16_WSP, form)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
     args = jax.device_put(_gated_inputs(rng, 1024, 2, 8, n, 256, "uniform"), GPU)
-    (fused, two, _), gated, _ = _run_gated(args, 8, 2, "silu", None)
+    (fused, two, _), gated, _ = _run_gated(args, 2, "silu", None)
     assert gated == 0, f"{gated} gated launches"
     assert np.all(np.isfinite(fused)) and np.any(fused != 0.0)
     np.testing.assert_array_equal(fused, two)

@@ -393,6 +393,13 @@ Error RoutingGroupedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expe
   return launch_routing(call, stream, s, false, a);
 }
 
+// The rows the routing filled: its last offset, clamped to [0, R] (an offset past the rows never
+// addresses memory).
+__device__ __forceinline__ int64_t valid_rows(const int32_t* offsets, int64_t num_offsets, int64_t R) {
+  const int64_t valid = offsets[num_offsets - 1];
+  return valid < 0 ? 0 : (valid > R ? R : valid);
+}
+
 // y[p] = x[perm[p] / top_k] for p below the valid row count, zeros elsewhere; V is the copy unit.
 // Rows of at least 32 units: a warp a row (permute_rows_warp_kernel); shorter rows (the fp8
 // activations' scales: 4 units of 16 bytes) a thread a unit, as a warp a row would leave most of
@@ -401,8 +408,7 @@ template <typename V>
 __global__ void permute_rows_kernel(const V* __restrict__ x, const int32_t* __restrict__ perm,
                                     const int32_t* __restrict__ offsets, int64_t num_offsets, int64_t R,
                                     int64_t units_per_row, int64_t top_k, V* __restrict__ y) {
-  int64_t valid = offsets[num_offsets - 1];
-  valid = valid < 0 ? 0 : (valid > R ? R : valid);
+  const int64_t valid = valid_rows(offsets, num_offsets, R);
   const int64_t n = R * units_per_row;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -426,8 +432,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
     permute_rows_warp_kernel(const V* __restrict__ x, const int32_t* __restrict__ perm,
                              const int32_t* __restrict__ offsets, int64_t num_offsets, int64_t R,
                              int64_t units_per_row, int64_t top_k, V* __restrict__ y) {
-  int64_t valid = offsets[num_offsets - 1];
-  valid = valid < 0 ? 0 : (valid > R ? R : valid);
+  const int64_t valid = valid_rows(offsets, num_offsets, R);
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kPermuteThreads / 32);
   for (int64_t p = (static_cast<int64_t>(blockIdx.x) * kPermuteThreads + threadIdx.x) >> 5; p < R; p += warps) {

@@ -278,27 +278,18 @@ __device__ __forceinline__ void store(const Params& o, const float (&acc)[kAcc],
   }
 }
 
-// Consumer warpgroup tid / 128's share of the epilogue: its staging buffer (staging: all the
-// groups'), its thread t (0 .. 127), and, called, its named barrier 1 + the group (the Sync of store
-// and store_gated_as).
-struct GroupStage {
-  uint8_t* staging;
-  int t, bar_id;
-  __device__ __forceinline__ GroupStage(uint8_t* all, int tid)
-      : staging(all + (tid >> 7) * kStagingBytes), t(tid & 127), bar_id(1 + (tid >> 7)) {}
-  __device__ __forceinline__ void operator()() const { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); }
-};
-
-// The epilogue of consumer warpgroup tid / 128 (its 64 rows from n0w), with the bias b of load_bias
-// or without one.
+// The epilogue of consumer warpgroup tid / 128 (its 64 rows from n0w, its staging buffer and named
+// barrier 1 + the group), with the bias b of load_bias or without one.
 template <int kWidth, typename Params, int kAcc>
 __device__ __forceinline__ void store_group(const Params& o, const float (&acc)[kAcc], const float (&b)[2],
                                             int4 tile, int n0w, uint8_t* staging, int tid) {
-  const GroupStage g(staging, tid);
+  const int wg = tid >> 7, bar_id = 1 + wg;
+  auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
+  uint8_t* mine = staging + wg * kStagingBytes;
   if (o.bias != nullptr)
-    store<kWidth, true>(o, acc, b, tile.y, tile.z, n0w, g.staging, g.t, g);
+    store<kWidth, true>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
   else
-    store<kWidth, false>(o, acc, b, tile.y, tile.z, n0w, g.staging, g.t, g);
+    store<kWidth, false>(o, acc, b, tile.y, tile.z, n0w, mine, tid & 127, sync);
 }
 
 // The gated epilogue of one consumer warpgroup (tid: its thread, 0 .. 127; staging: its own buffer;
@@ -365,23 +356,27 @@ __device__ __forceinline__ void store_gated_as(const Params& o, const float (&ac
 }
 
 // store_gated_as for the item's activation (o.gate_act): the halves layout's silu, gelu and
-// gelu_tanh, or swigluoai's interleaved rows; consumer warpgroup tid / 128's epilogue (GroupStage).
+// gelu_tanh, or swigluoai's interleaved rows; consumer warpgroup tid / 128's epilogue (its staging
+// buffer and named barrier 1 + the group, as store_group's).
 template <int kGate, int kWidth, bool kBias, typename Params, int kAcc>
 __device__ __forceinline__ void store_gated(const Params& o, const float (&acc)[kAcc], const float (&b)[2], int row0,
                                             int rows, int j0, uint8_t* staging, int tid) {
-  const GroupStage g(staging, tid);
+  const int wg = tid >> 7, bar_id = 1 + wg;
+  auto sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
+  uint8_t* mine = staging + wg * kStagingBytes;
+  const int t = tid & 127;
   if constexpr (kGate == 2) {
-    store_gated_as<2, Activation::kSwigluOai, kWidth, kBias>(o, acc, b, row0, rows, j0, g.staging, g.t, g);
+    store_gated_as<2, Activation::kSwigluOai, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
   } else {
     switch (static_cast<Activation>(o.gate_act)) {
       case Activation::kGelu:
-        store_gated_as<1, Activation::kGelu, kWidth, kBias>(o, acc, b, row0, rows, j0, g.staging, g.t, g);
+        store_gated_as<1, Activation::kGelu, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
         break;
       case Activation::kGeluTanh:
-        store_gated_as<1, Activation::kGeluTanh, kWidth, kBias>(o, acc, b, row0, rows, j0, g.staging, g.t, g);
+        store_gated_as<1, Activation::kGeluTanh, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
         break;
       default:
-        store_gated_as<1, Activation::kSilu, kWidth, kBias>(o, acc, b, row0, rows, j0, g.staging, g.t, g);
+        store_gated_as<1, Activation::kSilu, kWidth, kBias>(o, acc, b, row0, rows, j0, mine, t, sync);
         break;
     }
   }

@@ -103,19 +103,25 @@ def main() -> None:
             for name, path in libs.items():
                 runs[name].append(run_one(path, rest, Path(tmp) / f"{name}{r}.json"))
                 print(f"round {r + 1}: {name} done", flush=True)
+            # Each whole round is reported and written, so a run cut short keeps the rounds it finished.
+            report(libs, runs, r + 1, rest, args.out)
+
+
+def report(libs: dict[str, str], runs: dict[str, list[dict]], rounds: int, sweep_args: list[str], out: str) -> None:
+    """The table of the rounds done so far, printed and written to ``out`` as JSON."""
     points = summarize(libs, runs)
     names = list(libs)
+    print(f"after round {rounds}:")
     print(f"{'shape':16s} {'format':18s} {'M':>5s} " + " ".join(f"{n:>10s}" for n in names)
           + " " + " ".join(f"{n + '/' + names[0]:>12s}" for n in names[1:]) + "  max spread")
     for pt in points:
         print(f"{pt['shape']:16s} {pt['format']:18s} {pt['M']:5d} " + " ".join(f"{pt['ms'][n]:10.4f}" for n in names)
               + " " + " ".join(f"{pt['vs_first'][n]:12.3f}" for n in names[1:])
-              + f"  {max(pt['spread'].values()):.1%}")
-    with open(args.out, "w") as fh:
-        json.dump({"libs": libs, "rounds": args.rounds, "sweep_args": rest, "order": "builds in turn per round",
+              + f"  {max(pt['spread'].values()):.1%}", flush=True)
+    with open(out, "w") as fh:
+        json.dump({"libs": libs, "rounds": rounds, "sweep_args": sweep_args, "order": "builds in turn per round",
                    "points": points, "runs": runs}, fh, indent=1)
-    print(f"wrote {args.out}")
-
+    print(f"wrote {out}", flush=True)
 
 if __name__ == "__main__":
     main()

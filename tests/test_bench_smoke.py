@@ -307,17 +307,19 @@ def test_library_ab_runs_each_build_in_turn_and_checks_the_names(tmp_path):
         libs += ["--lib", f"{name}={tmp_path / name}.so"]
     out = tmp_path / "ab.json"
     sweep = ["--shapes", "tiny", "--formats", "bf16", "--tokens", "1", "--repeats", "2"]
-    res = subprocess.run([sys.executable, str(BENCH / "ab_libraries.py"), *libs, "--rounds", "1", "--out", str(out),
+    res = subprocess.run([sys.executable, str(BENCH / "ab_libraries.py"), *libs, "--rounds", "2", "--out", str(out),
                           "--", *sweep], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert list(data["libs"]) == ["old", "new"] and data["rounds"] == 1
+    assert list(data["libs"]) == ["old", "new"] and data["rounds"] == 2
+    assert "after round 1:" in res.stdout and "after round 2:" in res.stdout, "each round is reported"
     (pt,) = data["points"]
     assert (pt["shape"], pt["format"], pt["M"]) == ("tiny", "bf16", 1)
     assert pt["vs_first"]["old"] == 1.0 and pt["ms"]["new"] > 0 and pt["ms"]["old"] > 0
     for name in ("old", "new"):
-        (run,) = data["runs"][name]
-        assert run["var"] == "HUMMING_JAX_CUDA_LIB" and run["values"] == [data["libs"][name]]
+        assert len(data["runs"][name]) == 2
+        for run in data["runs"][name]:
+            assert run["var"] == "HUMMING_JAX_CUDA_LIB" and run["values"] == [data["libs"][name]]
     bad = subprocess.run([sys.executable, str(BENCH / "ab_libraries.py"), "--lib", f"old={tmp_path / 'old.so'}",
                           "--lib", f"gone={tmp_path / 'gone.so'}", "--", *sweep], capture_output=True, text=True,
                          timeout=120)

@@ -91,13 +91,26 @@ __global__ void __launch_bounds__(kVecThreads)
       act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, K, static_cast<int>(i0), v);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) m = fmaxf(m, fabsf(v[e]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
     }
 #pragma unroll
     for (int o = TPG / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (!ok) continue;
     const float s = quant_scale(kind, m);
+    uint2 codes;
+    if constexpr (QT == ElemType::kE4M3) {
+      // The division by the group's scale without the IEEE division's per-value branch, where the
+      // whole warp's values allow it (e4m3_codes8, every lane taking part in its vote); a scale
+      // that is not positive codes every value 0, as quant_code_value does.
+      codes = e4m3_codes8(v, s);
+      if (!(s > 0.0f)) codes = make_uint2(0u, 0u);
+    } else {
+      codes = pack_codes8<QT>(v, s);
+    }
+    if (!ok) continue;
     if (idx % TPG == 0) scale[idx / TPG] = s;
-    *reinterpret_cast<uint2*>(q + static_cast<size_t>(idx) * kVec) = pack_codes8<QT>(v, s);
+    *reinterpret_cast<uint2*>(q + static_cast<size_t>(idx) * kVec) = codes;
   }
 }
 

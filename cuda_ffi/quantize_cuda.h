@@ -76,6 +76,21 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
     return static_cast<uint32_t>(float_to_f16(lo)) | (static_cast<uint32_t>(float_to_f16(hi)) << 16);
 }
 
+// The activation A of 8 values (gate and up, or one input): A is a compile-time constant, so the
+// contract functions' switch folds away and the 8 values' arithmetic forms one block the compiler
+// can interleave (with the activation a run-time value, each value had its own switch and
+// branches, one value's expf and division after another's).
+template <Activation A>
+__device__ __forceinline__ void gated8(const float (&g)[8], const float (&u)[8], float limit, float (&v)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = activation_gated(A, g[e], u[e], limit);
+}
+template <Activation A>
+__device__ __forceinline__ void single8(float (&v)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = activation_single(A, v[e]);
+}
+
 // Output columns i0 .. i0 + 7 of the row starting at xr (N1 columns): activated, in float32.
 template <ElemType XT>
 __device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, int I, int i0, float (&v)[8]) {
@@ -86,8 +101,15 @@ __device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, i
   const Activation a = static_cast<Activation>(act);
   if (!activation_is_gated(a)) {
     load8<XT>(xr + i0, v);
+    switch (a) {
+      case Activation::kSiluNoMul: single8<Activation::kSiluNoMul>(v); break;
+      case Activation::kGeluNoMul: single8<Activation::kGeluNoMul>(v); break;
+      case Activation::kGeluTanhNoMul: single8<Activation::kGeluTanhNoMul>(v); break;
+      case Activation::kRelu2NoMul: single8<Activation::kRelu2NoMul>(v); break;
+      default:
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = activation_single(a, v[e]);
+        for (int e = 0; e < 8; ++e) v[e] = activation_single(a, v[e]);  // the contract's value (NaN)
+    }
     return;
   }
   float g[8], u[8];
@@ -106,8 +128,12 @@ __device__ __forceinline__ void act8(int act, float limit, const uint16_t* xr, i
     load8<XT>(xr + i0, g);
     load8<XT>(xr + I + i0, u);
   }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = activation_gated(a, g[e], u[e], limit);
+  switch (a) {
+    case Activation::kSilu: gated8<Activation::kSilu>(g, u, limit, v); break;
+    case Activation::kGelu: gated8<Activation::kGelu>(g, u, limit, v); break;
+    case Activation::kGeluTanh: gated8<Activation::kGeluTanh>(g, u, limit, v); break;
+    default: gated8<Activation::kSwigluOai>(g, u, limit, v);  // the one gated activation left
+  }
 }
 
 // The code byte of the quotient c = v / s: the hardware conversion (round to nearest even,

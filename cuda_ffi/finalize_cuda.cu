@@ -4,8 +4,6 @@
 // the caller's `out`, and every element of it is written.
 #include <cuda_runtime.h>
 
-#include <type_traits>
-
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 
@@ -21,71 +19,112 @@ __device__ __forceinline__ uint32_t float_to_half(float v) {
   return T == ElemType::kF16 ? float_to_f16(v) : float_to_bf16(v);
 }
 
-// Each thread owns V consecutive columns of one token. The top-k entries go in chunks of kJ: the
-// chunk's source rows and weights are loaded first, then all of its row loads are issued, then
-// they are accumulated in entry order. At decode sizes (one block) the kernel is a chain of
-// dependent loads, and loading entry by entry made it k round trips long instead of two per chunk.
+// The top-k entries go in chunks of J: the chunk's source rows and weights are loaded first, then
+// all of its row loads are issued, then they are accumulated in entry order (each element's sum
+// runs over j in increasing order, whatever the chunking). At decode sizes (one block) the kernel
+// is a chain of dependent loads, and loading entry by entry made it k round trips long instead of
+// two per chunk.
+template <int J>
+__device__ __forceinline__ void load_entries(const float* __restrict__ w, const int32_t* __restrict__ src, int64_t t,
+                                             int64_t k, int64_t j0, int64_t Rd, int64_t (&row)[J], float (&wj)[J],
+                                             bool (&ok)[J]) {
+#pragma unroll
+  for (int u = 0; u < J; ++u) {
+    const bool in = j0 + u < k;
+    row[u] = in ? src[t * k + j0 + u] : -1;
+    wj[u] = in ? w[t * k + j0 + u] : 0.0f;
+    ok[u] = row[u] >= 0 && row[u] < Rd;  // padding, remote or out of range: skipped
+  }
+}
+
+// Vectorized: a thread owns C 16-byte vectors (8 columns each) of one token, Q = H / (8 C) vectors
+// apart, so a warp's loads of one vector are contiguous. J * C = 8 row loads in flight a chunk at
+// every k: with a vector a thread and k = 2 (mixtral) a thread had 2 loads in flight and the
+// kernel ran at 35-47% of the copy rate, against 84% at k = 8 (deepseek; benchmarks/NOTES.md, v21).
+template <ElemType T, int J, int C>
+__global__ void finalize_vec_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
+                                    const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
+                                    int64_t k, int64_t Rd) {
+  const int64_t Q = H / (8 * C);
+  const int64_t n = M * Q;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = idx / Q, q = idx - t * Q;
+    float acc[C][8];
+#pragma unroll
+    for (int c = 0; c < C; ++c)
+#pragma unroll
+      for (int v = 0; v < 8; ++v) acc[c][v] = 0.0f;
+    for (int64_t j0 = 0; j0 < k; j0 += J) {
+      int64_t row[J];
+      float wj[J];
+      bool ok[J];
+      load_entries<J>(w, src, t, k, j0, Rd, row, wj, ok);
+      uint4 raw[J][C];
+#pragma unroll
+      for (int u = 0; u < J; ++u) {
+        if (!ok[u]) continue;
+        const uint4* dr = reinterpret_cast<const uint4*>(d + row[u] * H) + q;
+#pragma unroll
+        for (int c = 0; c < C; ++c) raw[u][c] = dr[c * Q];
+      }
+#pragma unroll
+      for (int u = 0; u < J; ++u) {
+        if (!ok[u]) continue;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const uint32_t words[4] = {raw[u][c].x, raw[u][c].y, raw[u][c].z, raw[u][c].w};
+#pragma unroll
+          for (int v = 0; v < 8; ++v) acc[c][v] += wj[u] * half_to_float<T>(words[v >> 1] >> (16 * (v & 1)));
+        }
+      }
+    }
+    uint4* o = reinterpret_cast<uint4*>(out + t * H) + q;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      uint32_t words[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int v = 0; v < 8; ++v) words[v >> 1] |= float_to_half<T>(acc[c][v]) << (16 * (v & 1));
+      o[c * Q] = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  }
+}
+
+// Any H or alignment: a thread a column.
 constexpr int kJ = 8;
 
-template <ElemType T, int V>
+template <ElemType T>
 __global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
                                 const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
                                 int64_t k, int64_t Rd) {
-  using Vec = std::conditional_t<V == 8, uint4, uint16_t>;
-  const int64_t per_row = H / V;
-  const int64_t n = M * per_row;
+  const int64_t n = M * H;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / per_row, h0 = (idx - t * per_row) * V;
-    float acc[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[v] = 0.0f;
+    const int64_t t = idx / H, h = idx - t * H;
+    float acc = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += kJ) {
       int64_t row[kJ];
       float wj[kJ];
-      bool ok[kJ];  // padding, remote or out of range: skipped
+      bool ok[kJ];
+      load_entries<kJ>(w, src, t, k, j0, Rd, row, wj, ok);
+      uint16_t raw[kJ];
 #pragma unroll
-      for (int u = 0; u < kJ; ++u) {
-        const bool in = j0 + u < k;
-        row[u] = in ? src[t * k + j0 + u] : -1;
-        wj[u] = in ? w[t * k + j0 + u] : 0.0f;
-        ok[u] = row[u] >= 0 && row[u] < Rd;
-      }
-      Vec raw[kJ][V == 8 ? 1 : V];
+      for (int u = 0; u < kJ; ++u)
+        if (ok[u]) raw[u] = d[row[u] * H + h];
 #pragma unroll
-      for (int u = 0; u < kJ; ++u) {
-        if (!ok[u]) continue;
-        const uint16_t* dr = d + row[u] * H + h0;
-        if constexpr (V == 8) {
-          raw[u][0] = *reinterpret_cast<const uint4*>(dr);
-        } else {
-#pragma unroll
-          for (int v = 0; v < V; ++v) raw[u][v] = dr[v];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kJ; ++u) {
-        if (!ok[u]) continue;
-        if constexpr (V == 8) {
-          const uint32_t words[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
-#pragma unroll
-          for (int v = 0; v < 8; ++v) acc[v] += wj[u] * half_to_float<T>(words[v >> 1] >> (16 * (v & 1)));
-        } else {
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[v] += wj[u] * half_to_float<T>(raw[u][v]);
-        }
-      }
+      for (int u = 0; u < kJ; ++u)
+        if (ok[u]) acc += wj[u] * half_to_float<T>(raw[u]);
     }
-    if constexpr (V == 8) {
-      uint32_t words[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int v = 0; v < 8; ++v) words[v >> 1] |= float_to_half<T>(acc[v]) << (16 * (v & 1));
-      *reinterpret_cast<uint4*>(out + t * H + h0) = make_uint4(words[0], words[1], words[2], words[3]);
-    } else {
-#pragma unroll
-      for (int v = 0; v < V; ++v) out[t * H + h0 + v] = static_cast<uint16_t>(float_to_half<T>(acc[v]));
-    }
+    out[idx] = static_cast<uint16_t>(float_to_half<T>(acc));
   }
+}
+
+template <ElemType T, int J, int C>
+void launch_vec(cudaStream_t stream, const uint16_t* d, const float* w, const int32_t* src, uint16_t* out, int64_t M,
+                int64_t H, int64_t k, int64_t Rd) {
+  constexpr int threads = 256;
+  const unsigned blocks = grid_for(M * H / (8 * C), threads, 8192);
+  finalize_vec_kernel<T, J, C><<<blocks, threads, 0, stream>>>(d, w, src, out, M, H, k, Rd);
 }
 
 template <ElemType T>
@@ -95,11 +134,19 @@ Error launch_finalize(const std::string& call, cudaStream_t stream, const AnyBuf
   auto* op = static_cast<uint16_t*>(result.untyped_data());
   const auto* wp = static_cast<const float*>(w.untyped_data());
   const auto* sp = static_cast<const int32_t*>(src.untyped_data());
-  const int threads = 256;
-  if (H % 8 == 0 && aligned_to(dp, 16) && aligned_to(op, 16))
-    finalize_kernel<T, 8><<<grid_for(M * H / 8, threads, 8192), threads, 0, stream>>>(dp, wp, sp, op, M, H, k, Rd);
-  else
-    finalize_kernel<T, 1><<<grid_for(M * H, threads, 8192), threads, 0, stream>>>(dp, wp, sp, op, M, H, k, Rd);
+  if (H % 8 == 0 && aligned_to(dp, 16) && aligned_to(op, 16)) {
+    // 8 row loads a chunk: J entries of C vectors, C the most that divides a row's vectors.
+    const int64_t vecs = H / 8;
+    if (k <= 2 && vecs % 4 == 0)
+      launch_vec<T, 2, 4>(stream, dp, wp, sp, op, M, H, k, Rd);
+    else if (k <= 4 && vecs % 2 == 0)
+      launch_vec<T, 4, 2>(stream, dp, wp, sp, op, M, H, k, Rd);
+    else
+      launch_vec<T, 8, 1>(stream, dp, wp, sp, op, M, H, k, Rd);
+    return launch_status(call, "finalize_vec_kernel");
+  }
+  constexpr int threads = 256;
+  finalize_kernel<T><<<grid_for(M * H, threads, 8192), threads, 0, stream>>>(dp, wp, sp, op, M, H, k, Rd);
   return launch_status(call, "finalize_kernel");
 }
 

@@ -309,9 +309,13 @@ def test_zero_groups_quantize_to_zero_codes(rng, quant):
     assert np.all(cbits[1, :128] == 0) and np.all(cbits[3] == 0) and np.all(np.asarray(cs)[3] == 0)
 
 
-@pytest.mark.parametrize("dtype,h", [(jnp.bfloat16, 64), (jnp.float16, 37)])
-def test_finalize_matches_cpu_and_writes_every_row(rng, dtype, h):
-    m, k, rows = 19, 4, 60
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("dtype,h", [(jnp.bfloat16, 64), (jnp.float16, 48), (jnp.bfloat16, 40), (jnp.float16, 37)])
+def test_finalize_matches_cpu_and_writes_every_row(rng, dtype, h, k):
+    """Each form of the finalize kernel (by k: 2 entries of 4 vectors a thread, 4 of 2, 8 of 1; by H:
+    the most vectors that divide a row's 8-column vectors, 64: 8, 48: 6, 40: 5; 37: a thread a
+    column), with out-of-range, padded and remote entries, against the CPU."""
+    m, rows = 19, 60
     d = rng.standard_normal((rows, h)).astype(np.float32)
     src = rng.integers(-1, rows + 3, (m, k)).astype(np.int32)
     src[3] = -1  # a token with no valid entry

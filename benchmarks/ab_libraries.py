@@ -123,5 +123,6 @@ def report(libs: dict[str, str], runs: dict[str, list[dict]], rounds: int, sweep
                    "points": points, "runs": runs}, fh, indent=1)
     print(f"wrote {out}", flush=True)
 
+
 if __name__ == "__main__":
     main()

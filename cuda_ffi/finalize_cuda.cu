@@ -4,6 +4,8 @@
 // the caller's `out`, and every element of it is written.
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 
@@ -37,34 +39,60 @@ __device__ __forceinline__ void load_entries(const float* __restrict__ w, const 
   }
 }
 
-// Vectorized: a thread owns C 16-byte vectors (8 columns each) of one token, Q = H / (8 C) vectors
-// apart, so a warp's loads of one vector are contiguous. J * C = 8 row loads in flight a chunk at
-// every k: with a vector a thread and k = 2 (mixtral) a thread had 2 loads in flight and the
-// kernel ran at 35-47% of the copy rate, against 84% at k = 8 (deepseek; benchmarks/NOTES.md, v21).
-template <ElemType T, int J, int C>
-__global__ void finalize_vec_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
-                                    const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
-                                    int64_t k, int64_t Rd) {
-  const int64_t Q = H / (8 * C);
+// A unit of V columns of a row: V = 8, a 16-byte vector; V = 1, one value (any H or alignment).
+template <int V>
+using Unit = std::conditional_t<V == 8, uint4, uint16_t>;
+
+template <ElemType T>
+__device__ __forceinline__ void unpack(uint4 r, float (&f)[8]) {
+  const uint32_t words[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int v = 0; v < 8; ++v) f[v] = half_to_float<T>(words[v >> 1] >> (16 * (v & 1)));
+}
+template <ElemType T>
+__device__ __forceinline__ void unpack(uint16_t r, float (&f)[1]) {
+  f[0] = half_to_float<T>(r);
+}
+template <ElemType T>
+__device__ __forceinline__ uint4 pack(const float (&f)[8]) {
+  uint32_t words[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int v = 0; v < 8; ++v) words[v >> 1] |= float_to_half<T>(f[v]) << (16 * (v & 1));
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+template <ElemType T>
+__device__ __forceinline__ uint16_t pack(const float (&f)[1]) {
+  return static_cast<uint16_t>(float_to_half<T>(f[0]));
+}
+
+// A thread owns C units of V columns of one token, Q = H / (V C) units apart, so a warp's loads of
+// one unit are contiguous. With 16-byte units, J * C = 8 row loads in flight a chunk at every k:
+// with a vector a thread and k = 2 (mixtral) a thread had 2 loads in flight and the kernel ran at
+// 35-47% of the copy rate, against 84% at k = 8 (deepseek; benchmarks/NOTES.md, v21).
+template <ElemType T, int V, int J, int C>
+__global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
+                                const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
+                                int64_t k, int64_t Rd) {
+  const int64_t Q = H / (V * C);
   const int64_t n = M * Q;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = idx / Q, q = idx - t * Q;
-    float acc[C][8];
+    float acc[C][V];
 #pragma unroll
     for (int c = 0; c < C; ++c)
 #pragma unroll
-      for (int v = 0; v < 8; ++v) acc[c][v] = 0.0f;
+      for (int v = 0; v < V; ++v) acc[c][v] = 0.0f;
     for (int64_t j0 = 0; j0 < k; j0 += J) {
       int64_t row[J];
       float wj[J];
       bool ok[J];
       load_entries<J>(w, src, t, k, j0, Rd, row, wj, ok);
-      uint4 raw[J][C];
+      Unit<V> raw[J][C];
 #pragma unroll
       for (int u = 0; u < J; ++u) {
         if (!ok[u]) continue;
-        const uint4* dr = reinterpret_cast<const uint4*>(d + row[u] * H) + q;
+        const Unit<V>* dr = reinterpret_cast<const Unit<V>*>(d + row[u] * H) + q;
 #pragma unroll
         for (int c = 0; c < C; ++c) raw[u][c] = dr[c * Q];
       }
@@ -73,58 +101,25 @@ __global__ void finalize_vec_kernel(const uint16_t* __restrict__ d, const float*
         if (!ok[u]) continue;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
-          const uint32_t words[4] = {raw[u][c].x, raw[u][c].y, raw[u][c].z, raw[u][c].w};
+          float f[V];
+          unpack<T>(raw[u][c], f);
 #pragma unroll
-          for (int v = 0; v < 8; ++v) acc[c][v] += wj[u] * half_to_float<T>(words[v >> 1] >> (16 * (v & 1)));
+          for (int v = 0; v < V; ++v) acc[c][v] += wj[u] * f[v];
         }
       }
     }
-    uint4* o = reinterpret_cast<uint4*>(out + t * H) + q;
+    Unit<V>* o = reinterpret_cast<Unit<V>*>(out + t * H) + q;
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-      uint32_t words[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int v = 0; v < 8; ++v) words[v >> 1] |= float_to_half<T>(acc[c][v]) << (16 * (v & 1));
-      o[c * Q] = make_uint4(words[0], words[1], words[2], words[3]);
-    }
+    for (int c = 0; c < C; ++c) o[c * Q] = pack<T>(acc[c]);
   }
 }
 
-// Any H or alignment: a thread a column.
-constexpr int kJ = 8;
-
-template <ElemType T>
-__global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
-                                const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
-                                int64_t k, int64_t Rd) {
-  const int64_t n = M * H;
-  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = idx / H, h = idx - t * H;
-    float acc = 0.0f;
-    for (int64_t j0 = 0; j0 < k; j0 += kJ) {
-      int64_t row[kJ];
-      float wj[kJ];
-      bool ok[kJ];
-      load_entries<kJ>(w, src, t, k, j0, Rd, row, wj, ok);
-      uint16_t raw[kJ];
-#pragma unroll
-      for (int u = 0; u < kJ; ++u)
-        if (ok[u]) raw[u] = d[row[u] * H + h];
-#pragma unroll
-      for (int u = 0; u < kJ; ++u)
-        if (ok[u]) acc += wj[u] * half_to_float<T>(raw[u]);
-    }
-    out[idx] = static_cast<uint16_t>(float_to_half<T>(acc));
-  }
-}
-
-template <ElemType T, int J, int C>
-void launch_vec(cudaStream_t stream, const uint16_t* d, const float* w, const int32_t* src, uint16_t* out, int64_t M,
-                int64_t H, int64_t k, int64_t Rd) {
+template <ElemType T, int V, int J, int C>
+void launch(cudaStream_t stream, const uint16_t* d, const float* w, const int32_t* src, uint16_t* out, int64_t M,
+            int64_t H, int64_t k, int64_t Rd) {
   constexpr int threads = 256;
-  const unsigned blocks = grid_for(M * H / (8 * C), threads, 8192);
-  finalize_vec_kernel<T, J, C><<<blocks, threads, 0, stream>>>(d, w, src, out, M, H, k, Rd);
+  const unsigned blocks = grid_for(M * H / (V * C), threads, 8192);
+  finalize_kernel<T, V, J, C><<<blocks, threads, 0, stream>>>(d, w, src, out, M, H, k, Rd);
 }
 
 template <ElemType T>
@@ -138,15 +133,14 @@ Error launch_finalize(const std::string& call, cudaStream_t stream, const AnyBuf
     // 8 row loads a chunk: J entries of C vectors, C the most that divides a row's vectors.
     const int64_t vecs = H / 8;
     if (k <= 2 && vecs % 4 == 0)
-      launch_vec<T, 2, 4>(stream, dp, wp, sp, op, M, H, k, Rd);
+      launch<T, 8, 2, 4>(stream, dp, wp, sp, op, M, H, k, Rd);
     else if (k <= 4 && vecs % 2 == 0)
-      launch_vec<T, 4, 2>(stream, dp, wp, sp, op, M, H, k, Rd);
+      launch<T, 8, 4, 2>(stream, dp, wp, sp, op, M, H, k, Rd);
     else
-      launch_vec<T, 8, 1>(stream, dp, wp, sp, op, M, H, k, Rd);
-    return launch_status(call, "finalize_vec_kernel");
+      launch<T, 8, 8, 1>(stream, dp, wp, sp, op, M, H, k, Rd);
+  } else {
+    launch<T, 1, 8, 1>(stream, dp, wp, sp, op, M, H, k, Rd);
   }
-  constexpr int threads = 256;
-  finalize_kernel<T><<<grid_for(M * H, threads, 8192), threads, 0, stream>>>(dp, wp, sp, op, M, H, k, Rd);
   return launch_status(call, "finalize_kernel");
 }
 

@@ -5,6 +5,7 @@
 
 #include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "permute_rows_cpu.h"
 #include "quantize_cpu.h"
 
 namespace hj {
@@ -76,6 +77,27 @@ Error QuantizeCpu(AnyBuffer x, Result<AnyBuffer> q, Result<AnyBuffer> scale, int
   return Error::Success();
 }
 
+// permute_rows of quantize(x), codes and scales: the M token rows quantized into buffers of their
+// own, then permuted as permute_rows does (the CUDA kernel stores each row at its positions instead).
+Error QuantizePermutedCpu(AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets, AnyBuffer src_rows,
+                          Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
+  const std::string call = "quantize_permuted";
+  QuantizePermutedShape s;
+  ActQuant kind;
+  HJ_RETURN_IF_ERROR(check_quantize_permuted(call, x, permutation, offsets, src_rows, *q, *scale, group_k, &s, &kind));
+  const int64_t groups = s.K / group_k;
+  std::vector<uint8_t> tq(static_cast<size_t>(s.M * s.K));
+  std::vector<float> ts(static_cast<size_t>(s.M * groups));
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), s.M, s.K, s.K, -1, 0.0f, group_k, kind,
+                    tq.data(), ts.data());
+  const auto* perm = static_cast<const int32_t*>(permutation.untyped_data());
+  const int64_t last = static_cast<const int32_t*>(offsets.untyped_data())[s.num_offsets - 1];
+  permute_rows_cpu(tq.data(), perm, last, s.R, static_cast<size_t>(s.K), s.top_k, q->untyped_data());
+  permute_rows_cpu(ts.data(), perm, last, s.R, static_cast<size_t>(groups) * sizeof(float), s.top_k,
+                   scale->untyped_data());
+  return Error::Success();
+}
+
 }  // namespace
 
 void quantize_rows_cpu(ElemType xt, const void* x, int64_t R, int64_t N1, int64_t K, int act, float limit,
@@ -103,3 +125,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationCpu, hj::ActivationCpu, hj::bind_activ
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationQuantCpu, hj::ActivationQuantCpu,
                               hj::bind_activation_quant<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjQuantizeCpu, hj::QuantizeCpu, hj::bind_quantize<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjQuantizePermutedCpu, hj::QuantizePermutedCpu, hj::bind_quantize_permuted<void>());

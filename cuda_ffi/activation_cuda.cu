@@ -8,9 +8,11 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
+#include "grouped_rows.cuh"
 #include "quantize_cuda.h"
 
 namespace hj {
@@ -71,13 +73,36 @@ __global__ void __launch_bounds__(kVecThreads)
 
 // Scale groups of TPG * 8 columns: TPG neighbouring lanes of a warp hold one group (I is a
 // multiple of the group, so groups never straddle rows and the flat index of a thread's first
-// column over 8 is its group's index times TPG plus its place in it). The loop runs warp-uniformly
-// so every lane takes part in the shuffles; lanes past the end carry zeros and store nothing.
+// column over 8 is its group's index times TPG plus its place in it). Called by every lane of a warp
+// (the shuffles and e4m3_codes8's vote); a lane with ok false carries zeros. Returns the codes of
+// the 8 values v and leaves the group's scale in *scale_out. kOutline: e4m3_codes8's.
+template <ElemType QT, int TPG, bool kOutline = true>
+__device__ __forceinline__ uint2 group_codes8(const float (&v)[kVec], float* scale_out) {
+  constexpr ActQuant kind = QT == ElemType::kE4M3 ? ActQuant::kFp8E4M3 : ActQuant::kInt8;
+  float m = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) m = fmaxf(m, fabsf(v[e]));
+#pragma unroll
+  for (int o = TPG / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float s = quant_scale(kind, m);
+  *scale_out = s;
+  if constexpr (QT == ElemType::kE4M3) {
+    // The division by the group's scale without the IEEE division's per-value branch, where the
+    // whole warp's values allow it (e4m3_codes8, every lane taking part in its vote); a scale
+    // that is not positive codes every value 0, as quant_code_value does.
+    const uint2 codes = e4m3_codes8<kOutline>(v, s);
+    return s > 0.0f ? codes : make_uint2(0u, 0u);
+  } else {
+    return pack_codes8<QT>(v, s);
+  }
+}
+
+// The loop runs warp-uniformly so every lane takes part in group_codes8; lanes past the end carry
+// zeros and store nothing.
 template <ElemType XT, ElemType QT, int TPG>
 __global__ void __launch_bounds__(kVecThreads)
     group_quant_vec_kernel(const uint16_t* __restrict__ x, uint8_t* __restrict__ q, float* __restrict__ scale,
                            int act, float limit, uint32_t total, int N1, int K) {
-  constexpr ActQuant kind = QT == ElemType::kE4M3 ? ActQuant::kFp8E4M3 : ActQuant::kInt8;
   const uint32_t k8 = static_cast<uint32_t>(K / kVec);
   const uint32_t lane = threadIdx.x & 31u;
   const uint32_t warp_base = (blockIdx.x * kVecThreads + threadIdx.x) & ~31u;
@@ -85,32 +110,87 @@ __global__ void __launch_bounds__(kVecThreads)
     const uint32_t idx = base + lane;
     const bool ok = idx < total;
     float v[kVec];
-    float m = 0.0f;
     if (ok) {
       const uint32_t r = idx / k8, i0 = (idx - r * k8) * kVec;
       act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, K, static_cast<int>(i0), v);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) m = fmaxf(m, fabsf(v[e]));
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
     }
-#pragma unroll
-    for (int o = TPG / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float s = quant_scale(kind, m);
-    uint2 codes;
-    if constexpr (QT == ElemType::kE4M3) {
-      // The division by the group's scale without the IEEE division's per-value branch, where the
-      // whole warp's values allow it (e4m3_codes8, every lane taking part in its vote); a scale
-      // that is not positive codes every value 0, as quant_code_value does.
-      codes = e4m3_codes8(v, s);
-      if (!(s > 0.0f)) codes = make_uint2(0u, 0u);
-    } else {
-      codes = pack_codes8<QT>(v, s);
-    }
+    float s;
+    const uint2 codes = group_codes8<QT, TPG>(v, &s);
     if (!ok) continue;
     if (idx % TPG == 0) scale[idx / TPG] = s;
     *reinterpret_cast<uint2*>(q + static_cast<size_t>(idx) * kVec) = codes;
+  }
+}
+
+// quantize_permuted: permute_rows(quantize(x)) for codes and scales in one pass over x, each token
+// row read once (quantize, then permute_rows of both: three launches, the codes written and read
+// back, each row read top_k times). A token row's codes and scales go to its entries' positions
+// where src_rows names a position below the valid rows and the permutation names the entry back
+// (the routing's invariant). Every other position is then the fill loop's, a warp a row: zeros past
+// the valid rows or for an id out of range, otherwise its source row quantized there (metadata
+// outside the invariant), so the result is permute_rows' for any input. The two write disjoint rows.
+template <ElemType XT, ElemType QT, int TPG>
+__global__ void __launch_bounds__(kVecThreads)
+    quant_permuted_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ perm,
+                          const int32_t* __restrict__ offsets, int64_t num_offsets, const int32_t* __restrict__ src,
+                          int top_k, uint8_t* __restrict__ q, float* __restrict__ scale, uint32_t total, int K,
+                          int64_t R) {
+  const int64_t valid = valid_rows(offsets, num_offsets, R);
+  const uint32_t k8 = static_cast<uint32_t>(K / kVec);
+  const int64_t groups = K / (TPG * kVec);
+  const uint32_t lane = threadIdx.x & 31u;
+  const uint32_t warp_base = (blockIdx.x * kVecThreads + threadIdx.x) & ~31u;
+  for (uint32_t base = warp_base; base < total; base += gridDim.x * kVecThreads) {
+    const uint32_t idx = base + lane;
+    const bool ok = idx < total;
+    const uint32_t r = ok ? idx / k8 : 0u, c = idx - r * k8;
+    float v[kVec];
+    if (ok) {
+      load8<XT>(x + static_cast<size_t>(r) * K + c * kVec, v);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
+    }
+    float s;
+    const uint2 codes = group_codes8<QT, TPG, false>(v, &s);  // a call here would spill
+    if (!ok) continue;
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t e = static_cast<int64_t>(r) * top_k + j;
+      const int64_t p = __ldg(src + e);
+      if (p < 0 || p >= valid || __ldg(perm + p) != e) continue;
+      if (c % TPG == 0) scale[p * groups + c / TPG] = s;
+      *reinterpret_cast<uint2*>(q + static_cast<size_t>(p) * K + c * kVec) = codes;
+    }
+  }
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kVecThreads / 32);
+  for (int64_t p = (static_cast<int64_t>(blockIdx.x) * kVecThreads + threadIdx.x) >> 5; p < R; p += warps) {
+    const int64_t id = p < valid ? __ldg(perm + p) : -1;
+    const bool in_range = id >= 0 && id < R;
+    if (in_range && __ldg(src + id) == p) continue;  // the scatter's row (warp-uniform)
+    const uint16_t* xr = in_range ? x + static_cast<size_t>(id / top_k) * K : nullptr;
+    for (uint32_t c0 = 0; c0 < k8; c0 += 32) {
+      const uint32_t c = c0 + lane;
+      const bool ok = c < k8;
+      float v[kVec];
+      if (ok && xr != nullptr) {
+        load8<XT>(xr + c * kVec, v);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
+      }
+      float s;
+      uint2 codes = group_codes8<QT, TPG, false>(v, &s);
+      if (xr == nullptr) {
+        codes = make_uint2(0u, 0u);
+        s = 0.0f;
+      }
+      if (!ok) continue;
+      if (c % TPG == 0) scale[p * groups + c / TPG] = s;
+      *reinterpret_cast<uint2*>(q + static_cast<size_t>(p) * K + c * kVec) = codes;
+    }
   }
 }
 
@@ -308,6 +388,59 @@ Error QuantizeCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> q, Result
                                     q->untyped_data(), static_cast<float*>(scale->untyped_data())});
 }
 
+// quantize_permuted's kernel for the group's lanes (TPG = group_k / 8).
+struct QuantPermuted {
+  const void* x;
+  const int32_t *perm, *offsets, *src;
+  int64_t num_offsets, M, K, R, top_k, group_k;
+  void* q;
+  float* scale;
+};
+
+template <ElemType XT, ElemType QT>
+void launch_quant_permuted(cudaStream_t stream, const QuantPermuted& a) {
+  const uint32_t total = static_cast<uint32_t>(a.M * (a.K / kVec));
+  const unsigned grid = grid_for(total, kVecThreads, 8192);
+  auto go = [&](auto tpg) {
+    quant_permuted_kernel<XT, QT, decltype(tpg)::value><<<grid, kVecThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(a.x), a.perm, a.offsets, a.num_offsets, a.src, static_cast<int>(a.top_k),
+        static_cast<uint8_t*>(a.q), a.scale, total, static_cast<int>(a.K), a.R);
+  };
+  switch (a.group_k) {  // check_quantize_permuted admits these only
+    case 8: go(std::integral_constant<int, 1>{}); break;
+    case 16: go(std::integral_constant<int, 2>{}); break;
+    case 32: go(std::integral_constant<int, 4>{}); break;
+    case 64: go(std::integral_constant<int, 8>{}); break;
+    case 128: go(std::integral_constant<int, 16>{}); break;
+    default: go(std::integral_constant<int, 32>{}); break;
+  }
+}
+
+Error QuantizePermutedCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets,
+                           AnyBuffer src_rows, Result<AnyBuffer> q, Result<AnyBuffer> scale, int64_t group_k) {
+  const std::string call = "quantize_permuted";
+  QuantizePermutedShape s;
+  ActQuant kind;
+  HJ_RETURN_IF_ERROR(check_quantize_permuted(call, x, permutation, offsets, src_rows, *q, *scale, group_k, &s, &kind));
+  if (s.R == 0 || s.K == 0) return Error::Success();
+  if (s.M * (s.K / kVec) >= INT32_MAX || s.K >= INT32_MAX || s.top_k >= INT32_MAX)
+    return invalid(call, "x has too many values for the kernel's 32-bit indices");
+  if (!aligned_to(x.untyped_data(), 16) || !aligned_to(q->untyped_data(), 8))
+    return invalid(call, "x must be 16-byte aligned and q 8-byte aligned");
+  const QuantPermuted a{x.untyped_data(),
+                        static_cast<const int32_t*>(permutation.untyped_data()),
+                        static_cast<const int32_t*>(offsets.untyped_data()),
+                        static_cast<const int32_t*>(src_rows.untyped_data()),
+                        s.num_offsets, s.M, s.K, s.R, s.top_k, group_k, q->untyped_data(),
+                        static_cast<float*>(scale->untyped_data())};
+  const bool f16 = x.element_type() == ffi::DataType::F16, fp8 = kind == ActQuant::kFp8E4M3;
+  if (f16 && fp8) launch_quant_permuted<ElemType::kF16, ElemType::kE4M3>(stream, a);
+  else if (f16) launch_quant_permuted<ElemType::kF16, ElemType::kI8>(stream, a);
+  else if (fp8) launch_quant_permuted<ElemType::kBF16, ElemType::kE4M3>(stream, a);
+  else launch_quant_permuted<ElemType::kBF16, ElemType::kI8>(stream, a);
+  return launch_status(call, "quant_permuted_kernel");
+}
+
 }  // namespace
 
 Error launch_quantize(const std::string& call, cudaStream_t stream, const InputQuant& qin) {
@@ -326,3 +459,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjActivationQuantCuda, hj::ActivationQuantCuda,
                               hj::bind_activation_quant<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjQuantizeCuda, hj::QuantizeCuda, hj::bind_quantize<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjQuantizePermutedCuda, hj::QuantizePermutedCuda,
+                              hj::bind_quantize_permuted<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});

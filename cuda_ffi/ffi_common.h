@@ -632,6 +632,19 @@ auto bind_quantize() {
       .template Attr<int64_t>("group_k");
 }
 
+// quantize_permuted(x, permutation, expert_first_token_offset, src_rows) -> q, scale
+template <typename PlatformCtx>
+auto bind_quantize_permuted() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Arg<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Ret<AnyBuffer>()
+      .template Attr<int64_t>("group_k");
+}
+
 // finalize(d, topk_weights, src_rows, out) -> out (aliased)
 template <typename PlatformCtx>
 auto bind_finalize() {
@@ -814,6 +827,44 @@ inline Error check_quantize_input(const std::string& call, const AnyBuffer& x, i
   *R = dim(x, 0);
   *K = dim(x, 1);
   return Error::Success();
+}
+
+// quantize_permuted: x [M, K] 16-bit, permutation [R = M * top_k], offsets [E + 1], src_rows
+// [M, top_k] int32 -> q [R, K], scale [R, K / group_k]: permute_rows of quantize(x), scales too.
+// Groups of 8 to 256 columns (a power of two) only: the one kernel's lanes share a group.
+struct QuantizePermutedShape {
+  int64_t M, K, R, top_k, num_offsets;
+};
+
+inline bool quantize_permuted_group_ok(int64_t group_k, int64_t K) {
+  return group_k >= 8 && group_k <= 256 && (group_k & (group_k - 1)) == 0 && K % group_k == 0;
+}
+
+inline Error check_quantize_permuted(const std::string& call, const AnyBuffer& x, const AnyBuffer& permutation,
+                                     const AnyBuffer& offsets, const AnyBuffer& src_rows, const AnyBuffer& q,
+                                     const AnyBuffer& scale, int64_t group_k, QuantizePermutedShape* s,
+                                     ActQuant* kind) {
+  HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &s->M, &s->K));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_first_token_offset", offsets, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
+  if (dim(offsets, 0) < 1) return invalid(call, "expert_first_token_offset must not be empty");
+  HJ_RETURN_IF_ERROR(expect_rank(call, "src_rows", src_rows, 2));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "src_rows", src_rows));
+  if (dim(src_rows, 0) != s->M) return invalid(call, "src_rows must have one row per row of x");
+  s->top_k = dim(src_rows, 1);
+  if (s->top_k <= 0) return invalid(call, "src_rows must have top_k > 0 columns");
+  s->R = dim(permutation, 0);
+  s->num_offsets = dim(offsets, 0);
+  if (s->R != s->M * s->top_k) return invalid(call, "permutation must have M * top_k entries");
+  if (!quantize_permuted_group_ok(group_k, s->K))
+    return invalid(call, "group_k must be a power of two from 8 to 256 dividing K = " + std::to_string(s->K) +
+                             " (other groupings: quantize, then permute_rows)");
+  HJ_RETURN_IF_ERROR(check_quant_outputs(call, q, scale, s->R, s->K, group_k, kind));
+  return check_no_overlap(call, {span_of("q", q), span_of("scale", scale)},
+                          {span_of("x", x), span_of("permutation", permutation),
+                           span_of("expert_first_token_offset", offsets), span_of("src_rows", src_rows)});
 }
 
 // gemm_indexed: the GEMM of a over the routing's layout (the CPU and CUDA handlers' one parse).

@@ -1,7 +1,8 @@
 // Row ranges of the experts of a grouped (contiguous) GEMM, derived on the device from
 // expert_first_token_offset exactly as the CPU handler derives them, and the zero rows past the last
 // expert: shared by the setup kernels of the prefill kinds (gemm_prefill_sm90_kernel.cuh,
-// gemm_prefill_sm90_mixed.cuh, tile_list.cuh).
+// gemm_prefill_sm90_mixed.cuh, tile_list.cuh); and the row count the routing filled, shared by the
+// kernels that permute rows (routing_cuda.cu, activation_cuda.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +11,14 @@
 #include <cstdint>
 
 namespace hj {
+
+// The rows the routing filled: its last offset, clamped to [0, R] (an offset past the rows never
+// addresses memory).
+__device__ __forceinline__ int64_t valid_rows(const int32_t* offsets, int64_t num_offsets, int64_t R) {
+  const int64_t valid = offsets[num_offsets - 1];
+  return valid < 0 ? 0 : (valid > R ? R : valid);
+}
+
 namespace prefill {
 
 constexpr int kSetupThreads = 256;

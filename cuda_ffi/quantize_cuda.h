@@ -198,13 +198,18 @@ static __device__ __noinline__ uint2 e4m3_codes8_exact(float v0, float v1, float
 }
 
 // The e4m3 codes of 8 consecutive values at scale s, first value in the lowest byte: the
-// branch-free division where the whole warp's values allow it, else the plain one. Called by
-// every lane of the warp together.
+// branch-free division where the whole warp's values allow it, else the plain one (kOutline: out
+// of line, one copy for unrolled callers; inline where a call's saved registers would spill).
+// Called by every lane of the warp together.
+template <bool kOutline = true>
 __device__ __forceinline__ uint2 e4m3_codes8(const float (&v)[8], float s) {
   bool fast = true;
 #pragma unroll
   for (int i = 0; i < 8; ++i) fast = fast && scale_div_ok(v[i], s);
-  if (!__all_sync(0xffffffffu, fast)) return e4m3_codes8_exact(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s);
+  if (!__all_sync(0xffffffffu, fast)) {
+    if constexpr (kOutline) return e4m3_codes8_exact(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], s);
+    else return pack_codes8<ElemType::kE4M3>(v, s);
+  }
   const float rcp = scale_rcp(s);
   uint2 c = make_uint2(0u, 0u);
 #pragma unroll

@@ -21,6 +21,7 @@ XLA_FFI_Error* HjGemmBatchedIntoCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjActivationCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjActivationQuantCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjQuantizeCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* HjQuantizePermutedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjFinalizeCpu(XLA_FFI_CallFrame*);
 }
 
@@ -48,6 +49,7 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["activation"] = encapsulate(HjActivationCpu);
     d["activation_quant"] = encapsulate(HjActivationQuantCpu);
     d["quantize"] = encapsulate(HjQuantizeCpu);
+    d["quantize_permuted"] = encapsulate(HjQuantizePermutedCpu);
     d["finalize"] = encapsulate(HjFinalizeCpu);
     return d;
   });

@@ -22,6 +22,7 @@
 
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
+#include "grouped_rows.cuh"
 
 namespace hj {
 namespace {
@@ -391,13 +392,6 @@ Error RoutingGroupedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expe
   a.offsets = static_cast<int32_t*>(offsets->untyped_data());
   a.src = static_cast<int32_t*>(src_rows->untyped_data());
   return launch_routing(call, stream, s, false, a);
-}
-
-// The rows the routing filled: its last offset, clamped to [0, R] (an offset past the rows never
-// addresses memory).
-__device__ __forceinline__ int64_t valid_rows(const int32_t* offsets, int64_t num_offsets, int64_t R) {
-  const int64_t valid = offsets[num_offsets - 1];
-  return valid < 0 ? 0 : (valid > R ? R : valid);
 }
 
 // y[p] = x[perm[p] / top_k] for p below the valid row count, zeros elsewhere; V is the copy unit.

@@ -35,6 +35,7 @@ CALLS = (
     "activation",
     "activation_quant",
     "quantize",
+    "quantize_permuted",
     "finalize",
 )
 
@@ -115,6 +116,12 @@ def register_all() -> None:
 def cuda_available() -> bool:
     """True when the CUDA handlers are registered (library built and a CUDA device present)."""
     return _state["cuda"] is not None
+
+
+def call_available(name: str) -> bool:
+    """False only for a call that the CUDA library named by ``$HUMMING_JAX_CUDA_LIB`` (an A/B build
+    of an older revision) lacks, so that callers with another way to the same result take it."""
+    return name not in _state["cuda_missing"]
 
 
 def backend_report() -> dict[str, str | None]:

@@ -314,8 +314,14 @@ class GroupedExperts(_StandardExperts):
         else:
             # The M token rows are quantized, then codes and scales permuted: the same rows as
             # quantizing the M * k permuted ones (the quantization is per row), for 1/k of the work.
-            q, s = act_ops.quantize(x, quant[0], quant[1])
-            a, a_scale = routing_ops.permute_rows(q, routing, k), routing_ops.permute_rows(s, routing, k)
+            # One call where the grouping allows it (each row read once); else two steps.
+            if act_ops.quantize_permuted_supported(quant[1], x.shape[1]) and _ffi.call_available(
+                    "quantize_permuted"):
+                a, a_scale = act_ops.quantize_permuted(x, routing.permutation, offsets, routing.src_rows,
+                                                       quant[0], quant[1])
+            else:
+                q, s = act_ops.quantize(x, quant[0], quant[1])
+                a, a_scale = routing_ops.permute_rows(q, routing, k), routing_ops.permute_rows(s, routing, k)
             gu = gemm_ops.gemm_grouped(a, a_scale, weights.w13, weights.b13, offsets, out_dtype=x.dtype,
                                        act_group_k=quant[1])
         a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)

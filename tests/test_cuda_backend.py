@@ -309,6 +309,67 @@ def test_zero_groups_quantize_to_zero_codes(rng, quant):
     assert np.all(cbits[1, :128] == 0) and np.all(cbits[3] == 0) and np.all(np.asarray(cs)[3] == 0)
 
 
+def _codes_and_scales(out):
+    q, s = out
+    return jax.lax.bitcast_convert_type(q, jnp.uint8), s
+
+
+def _inconsistent_grouping(rng, m, k):
+    """A permutation and src_rows outside the routing's invariant: repeated and out-of-range ids,
+    src_rows entries naming positions the permutation does not name back, and a last offset past
+    the rows, so the kernel's fill loop quantizes rows where they land and zeroes others."""
+    r = m * k
+    perm = rng.permutation(r).astype(np.int32)
+    perm[rng.integers(0, r, r // 5)] = perm[rng.integers(0, r, r // 5)]  # repeats
+    perm[rng.integers(0, r, 4)] = -3
+    perm[rng.integers(0, r, 2)] = r + 7
+    src = np.full(r, -1, np.int32)
+    for p in rng.permutation(r):
+        if 0 <= perm[p] < r and rng.random() < 0.8:
+            src[perm[p]] = p  # the last position naming an id wins; others stay the fill loop's
+    src[rng.integers(0, r, 3)] = r + 5
+    offsets = np.array([0, r // 3, r + 100], np.int32)
+    return jnp.asarray(perm), jnp.asarray(offsets), jnp.asarray(src.reshape(m, k))
+
+
+@pytest.mark.parametrize("quant,group_k,cols,dtype,m,k", [("fp8", 128, 256, jnp.bfloat16, 37, 3),
+                                                          ("fp8", 128, 7168, jnp.bfloat16, 300, 8),
+                                                          ("fp8", 8, 64, jnp.float16, 50, 2),
+                                                          ("int8", 32, 96, jnp.bfloat16, 41, 4),
+                                                          ("fp8", 256, 512, jnp.bfloat16, 4200, 1),
+                                                          ("int8", 64, 192, jnp.float16, 1, 8)])
+def test_quantize_permuted_matches_cpu(rng, quant, group_k, cols, dtype, m, k):
+    """The one-pass quantize + permutation against the CPU's quantize-then-permute, bit for bit:
+    over the routing (remote experts and skipped ids leave zero rows past the valid ones), run after
+    a call whose outputs filled the same buffers with codes (so a row left unwritten shows), and
+    over metadata outside the routing's invariant (the fill loop's rows)."""
+    e = 6
+    x = jnp.asarray(rng.standard_normal((m, cols)) * rng.uniform(0.01, 30, (m, 1)), dtype)
+
+    def routed(x, ids, emap):
+        r = routing_ops.routing_grouped(ids, emap, e)
+        return _codes_and_scales(act_ops.quantize_permuted(x, r.permutation, r.expert_first_token_offset,
+                                                           r.src_rows, quant, group_k))
+
+    full_ids, full_map = random_routing(rng, m, k, e, e, 0.0)
+    run_on(GPU, routed, x, full_ids, full_map)  # fills the allocator's blocks with codes
+    ids, emap = random_routing(rng, m, k, e + 3, e, 0.2)
+    (cq, cs), (gq, gs) = both(routed, x, ids, emap)
+    np.testing.assert_array_equal(gq, cq, err_msg="codes")
+    np.testing.assert_array_equal(gs, cs, err_msg="scales")
+    r = routing_ops.routing_grouped(ids, emap, e)
+    valid = int(np.asarray(r.expert_first_token_offset)[-1])
+    assert np.all(cs[valid:] == 0) and np.all(cq[valid:] == 0)
+    if valid:
+        assert np.all(cs[:valid] > 0)
+
+    perm, offsets, src = _inconsistent_grouping(rng, m, k)
+    fn = lambda x, p, o, s: _codes_and_scales(act_ops.quantize_permuted(x, p, o, s, quant, group_k))
+    (cq, cs), (gq, gs) = both(fn, x, perm, offsets, src)
+    np.testing.assert_array_equal(gq, cq, err_msg="codes, metadata outside the invariant")
+    np.testing.assert_array_equal(gs, cs, err_msg="scales, metadata outside the invariant")
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 9])
 @pytest.mark.parametrize("dtype,h", [(jnp.bfloat16, 64), (jnp.float16, 48), (jnp.bfloat16, 40), (jnp.float16, 37)])
 def test_finalize_matches_cpu_and_writes_every_row(rng, dtype, h, k):

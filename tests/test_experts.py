@@ -170,3 +170,26 @@ def test_eager_equals_jit(rng):
     a = run_standard(IndexedExperts, layer, jit=False)
     b = run_standard(IndexedExperts, layer, jit=True)
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("scheme,one_call", [("w8a8-fp8-block128", True), ("w8a8-fp8-channel", False)])
+def test_grouped_quantized_input_one_call_or_two(rng, monkeypatch, scheme, one_call):
+    """The grouped class quantizes and permutes its input in one call (quantize_permuted) where the
+    grouping allows it (groups of 8-256 columns), else quantize then permute_rows; a CUDA build that
+    lacks the call (an A/B library) takes the two calls. Both give the same layer, bit for bit."""
+    from humming_jax import _ffi
+
+    layer = random_layer(rng, m=21, e=6, h=256, i=128, k=3, scheme=scheme, pad_frac=0.2, e_global=8)
+
+    def hlo():
+        f = jax.jit(lambda o, x, w, tw, ids: GroupedExperts().apply(o, x, w, tw, ids))
+        return f.lower(nan_out(layer.x.shape, layer.x.dtype), layer.x, layer.weights, layer.topk_weights,
+                       layer.topk_ids).as_text()
+
+    assert ("humming_jax.quantize_permuted" in hlo()) == one_call
+    one = run_standard(GroupedExperts, layer)
+    monkeypatch.setitem(_ffi._state, "cuda_missing", ["quantize_permuted"])
+    assert "humming_jax.quantize_permuted" not in hlo()
+    two = run_standard(GroupedExperts, layer)
+    assert np.all(np.isfinite(np.asarray(one.astype(jnp.float32))))
+    np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), np.asarray(two.astype(jnp.float32)))

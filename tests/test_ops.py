@@ -116,6 +116,63 @@ def test_quantize_then_permute_equals_permute_then_quantize(rng, quant, group_k)
     assert np.all(np.asarray(sp[:valid]) > 0)
 
 
+@pytest.mark.parametrize("quant,group_k,cols", [("fp8", 128, 256), ("int8", 8, 64), ("fp8", 256, 512)])
+@pytest.mark.parametrize("consistent", [True, False])
+def test_quantize_permuted_is_permute_rows_of_quantize(rng, quant, group_k, cols, consistent):
+    """y[p] = quantize(x)[perm[p] // k] for p below the (clamped) last offset and an id in range,
+    zeros elsewhere, codes and scales: over the routing's layout and over arbitrary metadata."""
+    m, k, e = 23, 3, 5
+    x = jnp.asarray(rng.standard_normal((m, cols)) * rng.uniform(0.01, 30, (m, 1)), jnp.bfloat16)
+    if consistent:
+        ids = np.stack([rng.permutation(e + 2)[:k] for _ in range(m)]).astype(np.int32)
+        r = routing_ops.routing_grouped(jnp.asarray(ids), jnp.asarray(np.r_[np.arange(e), -1, -1].astype(np.int32)), e)
+        perm, off, src = r.permutation, r.expert_first_token_offset, r.src_rows
+    else:
+        perm = jnp.asarray(rng.integers(-2, m * k + 2, m * k).astype(np.int32))
+        off = jnp.asarray(np.array([0, m * k // 2, m * k - 4], np.int32))
+        src = jnp.asarray(rng.integers(-1, m * k + 1, (m, k)).astype(np.int32))
+    q, s = act_ops.quantize_permuted(x, perm, off, src, quant, group_k)
+    q0, s0 = act_ops.quantize(x, quant, group_k)
+    q0, s0 = np.asarray(jax.lax.bitcast_convert_type(q0, jnp.uint8)), np.asarray(s0)
+    pn, valid = np.asarray(perm), min(max(int(np.asarray(off)[-1]), 0), m * k)
+    want_q = np.zeros((m * k, cols), np.uint8)
+    want_s = np.zeros((m * k, cols // group_k), np.float32)
+    for p in range(valid):
+        if 0 <= pn[p] < m * k:
+            want_q[p], want_s[p] = q0[pn[p] // k], s0[pn[p] // k]
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8)), want_q)
+    np.testing.assert_array_equal(np.asarray(s), want_s)
+    assert np.count_nonzero(want_s) > m  # the rows are not mostly zeros
+
+
+@pytest.mark.parametrize("group_k,cols", [(0, 256), (40, 200), (512, 512), (128, 192)])
+def test_quantize_permuted_rejects_other_groupings(rng, group_k, cols):
+    x = jnp.asarray(rng.standard_normal((4, cols)), jnp.bfloat16)
+    perm, off, src = jnp.arange(8, dtype=jnp.int32), jnp.asarray([0, 8], jnp.int32), jnp.zeros((4, 2), jnp.int32)
+    assert not act_ops.quantize_permuted_supported(group_k, cols)
+    with pytest.raises(ValueError, match="groups of 8 to 256"):
+        act_ops.quantize_permuted(x, perm, off, src, "fp8", group_k)
+
+
+@pytest.mark.parametrize("what,match", [("group", "group_k must be a power of two"),
+                                        ("rows", "permutation must have M \\* top_k entries"),
+                                        ("src", "src_rows must have one row per row of x")])
+def test_quantize_permuted_handler_checks_its_operands(rng, what, match):
+    """The handler's own checks (shared by the CPU and CUDA handlers), past the Python wrapper."""
+    from humming_jax import _ffi
+
+    m, k, cols, group_k = 4, 2, 256, 128
+    x = jnp.asarray(rng.standard_normal((m, cols)), jnp.bfloat16)
+    perm = jnp.arange(m * k + (what == "rows"), dtype=jnp.int32)
+    src = jnp.zeros((m + (what == "src"), k), jnp.int32)
+    group_k = 40 if what == "group" else group_k
+    shapes = (jax.ShapeDtypeStruct((perm.shape[0], cols), jnp.float8_e4m3fn),
+              jax.ShapeDtypeStruct((perm.shape[0], cols // group_k), jnp.float32))
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(_ffi.call("quantize_permuted", shapes, x, perm, jnp.asarray([0, m * k], jnp.int32), src,
+                                        group_k=group_k))
+
+
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_activation_matches_jnp(rng, name, dtype):

@@ -57,3 +57,26 @@ def quantize(x: jax.Array, quant: str, group_k: int) -> tuple[jax.Array, jax.Arr
     """Dynamic quantization of a 16-bit [R, K]: scale = absmax / qmax per row or group."""
     q, s = _ffi.call("quantize", _quant_shapes(x.shape[0], x.shape[1], quant, group_k), x, group_k=group_k)
     return q, s
+
+
+def quantize_permuted_supported(group_k: int, cols: int) -> bool:
+    """Whether ``quantize_permuted`` takes this grouping: groups of 8 to 256 columns (a power of
+    two) dividing ``cols`` (the CUDA kernel's lanes share a group's maximum)."""
+    return 8 <= group_k <= 256 and group_k & (group_k - 1) == 0 and cols % group_k == 0
+
+
+def quantize_permuted(
+    x: jax.Array, permutation: jax.Array, expert_first_token_offset: jax.Array, src_rows: jax.Array, quant: str,
+    group_k: int,
+) -> tuple[jax.Array, jax.Array]:
+    """``permute_rows`` of ``quantize(x)``, codes and scales, in one call that reads each token row
+    of ``x`` [M, K] once: [M * k, K] codes and [M * k, K / group_k] scales in the grouped layout
+    (``permutation``, ``expert_first_token_offset`` and ``src_rows`` [M, k] of ``routing_grouped``),
+    zeros past the valid rows. ``group_k``: see ``quantize_permuted_supported``."""
+    if not quantize_permuted_supported(group_k, x.shape[1]):
+        raise ValueError(f"quantize_permuted takes groups of 8 to 256 columns (a power of two) dividing "
+                         f"{x.shape[1]}, got {group_k}; quantize, then permute_rows, for other groupings")
+    rows = permutation.shape[0]
+    q, s = _ffi.call("quantize_permuted", _quant_shapes(rows, x.shape[1], quant, group_k), x, permutation,
+                     expert_first_token_offset, src_rows, group_k=group_k)
+    return q, s

@@ -52,8 +52,8 @@ int64_t u4rs_max_rows_per_expert() {
   return n > 0 ? n : 0;
 }
 
-// HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: -1 unset (bf16: the default rule,
-// wsp_form; fp8: the CUTLASS kind); 0, the CUTLASS kinds; 1 / 2, our persistent kernels on
+// HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: -1 unset (the default rules,
+// wsp_form); 0, the CUTLASS kinds; 1 / 2, our persistent kernels on
 // clusters of one / two CTAs; 3 / 4: the same on tiles of up to 256 tokens (humming_jax/ops/gemm.py
 // checks the value when the call is traced). A malformed value reads as 0 here.
 int wsp_switch(const char* var, int64_t max) {
@@ -86,12 +86,26 @@ int gather_switch() {
   return v >= 0 && v <= 2 ? static_cast<int>(v) : 0;
 }
 
+// w8a8-fp8-block128 grouped calls (HUMMING_JAX_PREFILL_FP8_WSP unset) run on our persistent kernel,
+// tiles of up to 128 tokens, one CTA per SM, for experts of fewer than kFp8WspMaxWeights weight
+// elements (N x K) from kFp8WspMinRowsPerExpert up to below kBf16WspMaxRowsPerExpert rows per expert
+// on average (the bound its tile list fits the workspace at); the CUTLASS kinds otherwise. Measured
+// on the H100 (benchmarks/NOTES.md, v22, gemms): qwen3 (1536 x 2048 and 2048 x 768) 1.03x / 1.09x /
+// 1.01x the CUTLASS kinds at 64 / 256 / 1024 rows per expert; deepseek (4096 x 7168, 7168 x 2048)
+// 0.85-0.96x with any form, as mixtral at v13-v20.
+constexpr int64_t kFp8WspMinRowsPerExpert = 64;
+constexpr int64_t kFp8WspMaxWeights = int64_t{8} << 20;
+
 WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K) {
-  if (kind == Kind::kFp8Block128Wsp) return switch_form(fp8_wsp_switch());
-  if (kind != Kind::kBf16Wsp || E <= 0) return WspForm{};
-  const int v = bf16_wsp_switch();
+  if ((kind != Kind::kBf16Wsp && kind != Kind::kFp8Block128Wsp) || E <= 0) return WspForm{};
+  const int v = kind == Kind::kFp8Block128Wsp ? fp8_wsp_switch() : bf16_wsp_switch();
   if (v >= 0) return switch_form(v);
   const int64_t rows = R / E;  // expected rows per expert, from shapes only
+  if (kind == Kind::kFp8Block128Wsp) {
+    if (rows < kFp8WspMinRowsPerExpert || rows >= kBf16WspMaxRowsPerExpert || N * K >= kFp8WspMaxWeights)
+      return WspForm{};
+    return WspForm{1, 128};
+  }
   if (rows >= kBf16WspMaxRowsPerExpert) return WspForm{};
   return WspForm{rows >= kWspClusterRowsPerExpert || N * K >= kWspWideWeights ? 2 : 1, 256};
 }

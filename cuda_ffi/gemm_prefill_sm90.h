@@ -143,7 +143,7 @@ constexpr int64_t kWspWideWeights = int64_t{64} << 20;
 
 // The form of the persistent kernel for the grouped call of `kind` (kBf16Wsp, kFp8Block128Wsp) of R
 // rows over E experts of N x K: the switch's where it is set (HUMMING_JAX_PREFILL_BF16_WSP /
-// _FP8_WSP, 1 to 4), else bf16's rule above; fp8 takes ours only by its switch.
+// _FP8_WSP, 1 to 4), else bf16's rule above or fp8's (gemm_prefill_sm90.cu, kFp8WspMaxWeights).
 WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K);
 
 // One grouped problem: rows [off[e], off[e+1]) of a (clamped monotone into [0, R], expert 0 from

@@ -715,15 +715,23 @@ def test_bf16_prefill_default_rule(rng, monkeypatch, m, k, e, n, kdim, ours_expe
 
 
 @requires_prefill
-def test_fp8_prefill_default_is_the_cutlass_kind(rng, monkeypatch):
-    """$HUMMING_JAX_PREFILL_FP8_WSP unset: w8a8-fp8-block128 grouped calls keep the CUTLASS kind,
-    equal to the CPU."""
+@pytest.mark.parametrize("m,k,e,n,kdim,ours_expected", [
+    (1024, 2, 8, 384, 256, True),  # 256 rows per expert, small experts: our kernel
+    (256, 2, 8, 384, 256, True),  # 64 rows per expert: the rule's lower end
+    (128, 2, 8, 384, 256, False),  # 32 rows per expert: the CUTLASS 64-row kind
+    (128, 2, 2, 8192, 1024, False),  # 8 Mi weight elements an expert: the CUTLASS kind
+])
+def test_fp8_prefill_default_rule(rng, monkeypatch, m, k, e, n, kdim, ours_expected):
+    """$HUMMING_JAX_PREFILL_FP8_WSP unset: w8a8-fp8-block128 grouped calls take our persistent
+    kernel for experts under 8 Mi weight elements from 64 rows per expert, the CUTLASS kinds
+    otherwise (cuda_ffi/gemm_prefill_sm90.cu, wsp_form), equal to the CPU either way."""
     for var in (gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
         monkeypatch.delenv(var, raising=False)
-    p8 = _gemm_inputs(rng, "w8a8-fp8-block128", 1024, 2, 8, 384, 256, "uniform")
+    p8 = _gemm_inputs(rng, "w8a8-fp8-block128", m, k, e, n, kdim, "uniform")
+    what = f"w8a8-fp8-block128 M={m} top-{k} E={e} N={n} K={kdim}"
     with _LaunchCount(_ffi.launch_counter("HjPrefillFp8WspLaunches")) as ours:
-        _prefill_once_matches_cpu(p8, "w8a8-fp8-block128 M=1024", "prefill")
-    assert ours.count == 0, "unset, the fp8 switch must leave the call to the CUTLASS kind"
+        _prefill_once_matches_cpu(p8, what, "prefill")
+    assert ours.count == (1 if ours_expected else 0), f"{what}: the default rule picked the other kernel"
 
 
 # Decode sizes on the prefill kinds ($HUMMING_JAX_PREFILL_MIN_ROWS=1): experts of 0-8 rows, tiles of

@@ -381,7 +381,8 @@ def rs4_warp_specialized_switch() -> int | None:
 # the bf16 grouped GEMM with unquantized bf16 weights takes its kernel by default, on tiles of up to
 # 256 tokens, below 2048 rows per expert on average, on clusters of two CTAs from 512 rows per expert
 # or 64 Mi weight elements an expert (cuda_ffi/gemm_prefill_sm90.h, wsp_form); w8a8-fp8-block128
-# stays on the CUTLASS kind unless its switch is set. The switches $HUMMING_JAX_PREFILL_BF16_WSP and
+# takes it (tiles of up to 128 tokens, one CTA per SM) for experts of fewer than 8 Mi weight
+# elements at 64 to 2047 rows per expert, the CUTLASS kinds otherwise. The switches $HUMMING_JAX_PREFILL_BF16_WSP and
 # $HUMMING_JAX_PREFILL_FP8_WSP fix the form: =1 one CTA per SM, =2 clusters of two sharing the
 # tokens, =3 / =4 the same on tiles of up to 256 tokens (two consumer warpgroups); =0 the CUTLASS
 # kind. Their tile list fits in grouped_workspace_bytes wherever bf16's rule picks them, and up to
@@ -406,7 +407,7 @@ def bf16_wsp_switch() -> int | None:
 
 
 def fp8_wsp_switch() -> int | None:
-    """$HUMMING_JAX_PREFILL_FP8_WSP as 0-4, as bf16_wsp_switch; unset, the CUTLASS kind."""
+    """$HUMMING_JAX_PREFILL_FP8_WSP as 0-4, as bf16_wsp_switch; None when unset (fp8's default rule)."""
     return _wsp_switch(ENV_PREFILL_FP8_WSP, 4)
 
 

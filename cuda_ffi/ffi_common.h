@@ -779,6 +779,18 @@ inline Error check_routing_grouped_outputs(const std::string& call, const Routin
       {span_of("topk_ids", topk_ids), span_of("expert_map", expert_map)});
 }
 
+// The grouped layout's operands of the calls that permute rows: permutation [R] and
+// expert_first_token_offset [E + 1], int32.
+inline Error check_permutation_operands(const std::string& call, const AnyBuffer& permutation,
+                                        const AnyBuffer& offsets) {
+  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
+  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_first_token_offset", offsets, 1));
+  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
+  if (dim(offsets, 0) < 1) return invalid(call, "expert_first_token_offset must not be empty");
+  return Error::Success();
+}
+
 // permute_rows: x [M, cols], permutation [R = M * top_k], offsets [E + 1] -> y [R, cols].
 struct PermuteShape {
   int64_t M, cols, R, num_offsets;
@@ -787,11 +799,7 @@ struct PermuteShape {
 inline Error check_permute_rows(const std::string& call, const AnyBuffer& x, const AnyBuffer& permutation,
                                 const AnyBuffer& offsets, const AnyBuffer& y, int64_t top_k, PermuteShape* s) {
   HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_first_token_offset", offsets, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
-  if (dim(offsets, 0) < 1) return invalid(call, "expert_first_token_offset must not be empty");
+  HJ_RETURN_IF_ERROR(check_permutation_operands(call, permutation, offsets));
   if (top_k <= 0) return invalid(call, "top_k must be positive");
   s->M = dim(x, 0);
   s->cols = dim(x, 1);
@@ -845,11 +853,7 @@ inline Error check_quantize_permuted(const std::string& call, const AnyBuffer& x
                                      const AnyBuffer& scale, int64_t group_k, QuantizePermutedShape* s,
                                      ActQuant* kind) {
   HJ_RETURN_IF_ERROR(check_quantize_input(call, x, &s->M, &s->K));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "permutation", permutation, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "permutation", permutation));
-  HJ_RETURN_IF_ERROR(expect_rank(call, "expert_first_token_offset", offsets, 1));
-  HJ_RETURN_IF_ERROR(expect_s32(call, "expert_first_token_offset", offsets));
-  if (dim(offsets, 0) < 1) return invalid(call, "expert_first_token_offset must not be empty");
+  HJ_RETURN_IF_ERROR(check_permutation_operands(call, permutation, offsets));
   HJ_RETURN_IF_ERROR(expect_rank(call, "src_rows", src_rows, 2));
   HJ_RETURN_IF_ERROR(expect_s32(call, "src_rows", src_rows));
   if (dim(src_rows, 0) != s->M) return invalid(call, "src_rows must have one row per row of x");

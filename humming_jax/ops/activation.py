@@ -71,8 +71,8 @@ def quantize_permuted(
 ) -> tuple[jax.Array, jax.Array]:
     """``permute_rows`` of ``quantize(x)``, codes and scales, in one call that reads each token row
     of ``x`` [M, K] once: [M * k, K] codes and [M * k, K / group_k] scales in the grouped layout
-    (``permutation``, ``expert_first_token_offset`` and ``src_rows`` [M, k] of ``routing_grouped``),
-    zeros past the valid rows. ``group_k``: see ``quantize_permuted_supported``."""
+    (``permutation``, ``expert_first_token_offset`` and ``src_rows`` [M, k] of ``routing_grouped``;
+    k is top-k), zeros past the valid rows. ``group_k``: see ``quantize_permuted_supported``."""
     if not quantize_permuted_supported(group_k, x.shape[1]):
         raise ValueError(f"quantize_permuted takes groups of 8 to 256 columns (a power of two) dividing "
                          f"{x.shape[1]}, got {group_k}; quantize, then permute_rows, for other groupings")

@@ -380,13 +380,14 @@ def rs4_warp_specialized_switch() -> int | None:
 # Our own persistent kernels (cuda_ffi/gemm_prefill_sm90_bf16_wsp.cu, gemm_prefill_sm90_fp8_wsp.cu):
 # the bf16 grouped GEMM with unquantized bf16 weights takes its kernel by default, on tiles of up to
 # 256 tokens, below 2048 rows per expert on average, on clusters of two CTAs from 512 rows per expert
-# or 64 Mi weight elements an expert (cuda_ffi/gemm_prefill_sm90.h, wsp_form); w8a8-fp8-block128
-# takes it (tiles of up to 128 tokens, one CTA per SM) for experts of fewer than 8 Mi weight
-# elements at 64 to 2047 rows per expert, the CUTLASS kinds otherwise. The switches $HUMMING_JAX_PREFILL_BF16_WSP and
-# $HUMMING_JAX_PREFILL_FP8_WSP fix the form: =1 one CTA per SM, =2 clusters of two sharing the
-# tokens, =3 / =4 the same on tiles of up to 256 tokens (two consumer warpgroups); =0 the CUTLASS
-# kind. Their tile list fits in grouped_workspace_bytes wherever bf16's rule picks them, and up to
-# some 2 M rows by a switch. Read when the call is traced, as by the CUDA handler at each call.
+# or 64 Mi weight elements an expert; w8a8-fp8-block128 takes its own (tiles of up to 128 tokens, one
+# CTA per SM) for experts of fewer than 8 Mi weight elements at 64 to 2047 rows per expert, the
+# CUTLASS kinds otherwise (both rules: cuda_ffi/gemm_prefill_sm90.cu, wsp_form). The switches
+# $HUMMING_JAX_PREFILL_BF16_WSP and $HUMMING_JAX_PREFILL_FP8_WSP fix the form: =1 one CTA per SM, =2
+# clusters of two sharing the tokens, =3 / =4 the same on tiles of up to 256 tokens (two consumer
+# warpgroups); =0 the CUTLASS kind. Their tile list fits in grouped_workspace_bytes wherever the rules
+# pick them (below 2048 rows per expert), and up to some 2 M rows by a switch. Read when the call is
+# traced, as by the CUDA handler at each call.
 ENV_PREFILL_BF16_WSP = "HUMMING_JAX_PREFILL_BF16_WSP"
 ENV_PREFILL_FP8_WSP = "HUMMING_JAX_PREFILL_FP8_WSP"
 

@@ -109,13 +109,10 @@ __global__ void __launch_bounds__(kVecThreads)
   for (uint32_t base = warp_base; base < total; base += gridDim.x * kVecThreads) {
     const uint32_t idx = base + lane;
     const bool ok = idx < total;
-    float v[kVec];
+    float v[kVec] = {};
     if (ok) {
       const uint32_t r = idx / k8, i0 = (idx - r * k8) * kVec;
       act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, K, static_cast<int>(i0), v);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
     }
     float s;
     const uint2 codes = group_codes8<QT, TPG>(v, &s);
@@ -147,13 +144,8 @@ __global__ void __launch_bounds__(kVecThreads)
     const uint32_t idx = base + lane;
     const bool ok = idx < total;
     const uint32_t r = ok ? idx / k8 : 0u, c = idx - r * k8;
-    float v[kVec];
-    if (ok) {
-      load8<XT>(x + static_cast<size_t>(r) * K + c * kVec, v);
-    } else {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
-    }
+    float v[kVec] = {};
+    if (ok) load8<XT>(x + static_cast<size_t>(r) * K + c * kVec, v);
     float s;
     const uint2 codes = group_codes8<QT, TPG, false>(v, &s);  // a call here would spill
     if (!ok) continue;
@@ -174,19 +166,10 @@ __global__ void __launch_bounds__(kVecThreads)
     for (uint32_t c0 = 0; c0 < k8; c0 += 32) {
       const uint32_t c = c0 + lane;
       const bool ok = c < k8;
-      float v[kVec];
-      if (ok && xr != nullptr) {
-        load8<XT>(xr + c * kVec, v);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] = 0.0f;
-      }
+      float v[kVec] = {};  // zeros quantize to scale 0 and codes 0: the rows without a source
+      if (ok && xr != nullptr) load8<XT>(xr + c * kVec, v);
       float s;
-      uint2 codes = group_codes8<QT, TPG, false>(v, &s);
-      if (xr == nullptr) {
-        codes = make_uint2(0u, 0u);
-        s = 0.0f;
-      }
+      const uint2 codes = group_codes8<QT, TPG, false>(v, &s);
       if (!ok) continue;
       if (c % TPG == 0) scale[p * groups + c / TPG] = s;
       *reinterpret_cast<uint2*>(q + static_cast<size_t>(p) * K + c * kVec) = codes;
@@ -233,6 +216,21 @@ inline bool vec_ok(const void* x, const void* out, int64_t R, int64_t N1, int64_
          N1 < INT32_MAX;
 }
 
+// f(std::integral_constant<int, TPG>) for groups of group_k = 8 * TPG columns, the lanes of a warp
+// that share a group (8 to 256 columns, a power of two); false for any other group.
+template <typename F>
+bool by_group_lanes(int64_t group_k, F&& f) {
+  switch (group_k) {
+    case 8: f(std::integral_constant<int, 1>{}); return true;
+    case 16: f(std::integral_constant<int, 2>{}); return true;
+    case 32: f(std::integral_constant<int, 4>{}); return true;
+    case 64: f(std::integral_constant<int, 8>{}); return true;
+    case 128: f(std::integral_constant<int, 16>{}); return true;
+    case 256: f(std::integral_constant<int, 32>{}); return true;
+    default: return false;
+  }
+}
+
 template <ElemType XT, ElemType QT, int TPG>
 void launch_group_vec(cudaStream_t stream, const void* x, void* q, float* sc, int act, float limit, int64_t R,
                       int64_t N1, int64_t K) {
@@ -253,15 +251,9 @@ bool launch_quant_vec(cudaStream_t stream, const void* x, void* q, float* sc, in
         static_cast<int>(K));
     return true;
   }
-  switch (group_k) {
-    case 8: launch_group_vec<XT, QT, 1>(stream, x, q, sc, act, limit, R, N1, K); return true;
-    case 16: launch_group_vec<XT, QT, 2>(stream, x, q, sc, act, limit, R, N1, K); return true;
-    case 32: launch_group_vec<XT, QT, 4>(stream, x, q, sc, act, limit, R, N1, K); return true;
-    case 64: launch_group_vec<XT, QT, 8>(stream, x, q, sc, act, limit, R, N1, K); return true;
-    case 128: launch_group_vec<XT, QT, 16>(stream, x, q, sc, act, limit, R, N1, K); return true;
-    case 256: launch_group_vec<XT, QT, 32>(stream, x, q, sc, act, limit, R, N1, K); return true;
-    default: return false;
-  }
+  return by_group_lanes(group_k, [&](auto tpg) {
+    launch_group_vec<XT, QT, decltype(tpg)::value>(stream, x, q, sc, act, limit, R, N1, K);
+  });
 }
 
 
@@ -401,19 +393,11 @@ template <ElemType XT, ElemType QT>
 void launch_quant_permuted(cudaStream_t stream, const QuantPermuted& a) {
   const uint32_t total = static_cast<uint32_t>(a.M * (a.K / kVec));
   const unsigned grid = grid_for(total, kVecThreads, 8192);
-  auto go = [&](auto tpg) {
+  by_group_lanes(a.group_k, [&](auto tpg) {  // check_quantize_permuted admits its groups only
     quant_permuted_kernel<XT, QT, decltype(tpg)::value><<<grid, kVecThreads, 0, stream>>>(
         static_cast<const uint16_t*>(a.x), a.perm, a.offsets, a.num_offsets, a.src, static_cast<int>(a.top_k),
         static_cast<uint8_t*>(a.q), a.scale, total, static_cast<int>(a.K), a.R);
-  };
-  switch (a.group_k) {  // check_quantize_permuted admits these only
-    case 8: go(std::integral_constant<int, 1>{}); break;
-    case 16: go(std::integral_constant<int, 2>{}); break;
-    case 32: go(std::integral_constant<int, 4>{}); break;
-    case 64: go(std::integral_constant<int, 8>{}); break;
-    case 128: go(std::integral_constant<int, 16>{}); break;
-    default: go(std::integral_constant<int, 32>{}); break;
-  }
+  });
 }
 
 Error QuantizePermutedCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets,

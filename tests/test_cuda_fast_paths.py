@@ -696,41 +696,28 @@ def test_grouped_layer_gathers_with_the_switch_and_matches_the_reference(rng, mo
 
 
 @requires_prefill
-@pytest.mark.parametrize("m,k,e,n,kdim,ours_expected", [
-    (1024, 2, 8, 384, 256, True),  # 256 rows per expert: tiles of 256 tokens, one CTA per SM
-    (2048, 4, 8, 384, 256, True),  # 1024 rows per expert: clusters of two
-    (4096, 4, 8, 384, 256, False),  # 2048 rows per expert: the CUTLASS kind
+@pytest.mark.parametrize("scheme,m,k,e,n,kdim,ours_expected", [
+    # bf16: ours below 2048 rows per expert.
+    ("bf16", 1024, 2, 8, 384, 256, True),  # 256 rows per expert: tiles of 256 tokens, one CTA per SM
+    ("bf16", 2048, 4, 8, 384, 256, True),  # 1024 rows per expert: clusters of two
+    ("bf16", 4096, 4, 8, 384, 256, False),  # 2048 rows per expert: the CUTLASS kind
+    # fp8: ours for experts under 8 Mi weight elements from 64 rows per expert.
+    ("w8a8-fp8-block128", 1024, 2, 8, 384, 256, True),  # 256 rows per expert, small experts
+    ("w8a8-fp8-block128", 256, 2, 8, 384, 256, True),  # 64 rows per expert: the rule's lower end
+    ("w8a8-fp8-block128", 128, 2, 8, 384, 256, False),  # 32 rows per expert: the CUTLASS 64-row kind
+    ("w8a8-fp8-block128", 128, 2, 2, 8192, 1024, False),  # 8 Mi weight elements an expert: CUTLASS
 ])
-def test_bf16_prefill_default_rule(rng, monkeypatch, m, k, e, n, kdim, ours_expected):
-    """$HUMMING_JAX_PREFILL_BF16_WSP unset: bf16 grouped calls take our persistent kernel below
-    2048 rows per expert on average and the CUTLASS kind from there (cuda_ffi/gemm_prefill_sm90.h,
+def test_prefill_default_rule(rng, monkeypatch, scheme, m, k, e, n, kdim, ours_expected):
+    """$HUMMING_JAX_PREFILL_BF16_WSP / _FP8_WSP unset: bf16 and w8a8-fp8-block128 grouped calls
+    take our persistent kernel or the CUTLASS kinds by their rules (cuda_ffi/gemm_prefill_sm90.cu,
     wsp_form), equal to the CPU either way."""
-    for var in (gemm_ops.ENV_PREFILL_BF16_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
+    switch, counter = _WSP[scheme]
+    for var in (switch, gemm_ops.ENV_PREFILL_MIN_ROWS):
         monkeypatch.delenv(var, raising=False)
-    p = _gemm_inputs(rng, "bf16", m, k, e, n, kdim, "uniform", bias=True)
-    what = f"bf16 M={m} top-{k} E={e}"
-    with _LaunchCount(_ffi.launch_counter("HjPrefillBf16WspLaunches")) as ours:
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, "uniform", bias=scheme == "bf16")
+    what = f"{scheme} M={m} top-{k} E={e} N={n} K={kdim}"
+    with _LaunchCount(_ffi.launch_counter(counter)) as ours:
         _prefill_once_matches_cpu(p, what, "prefill")
-    assert ours.count == (1 if ours_expected else 0), f"{what}: the default rule picked the other kernel"
-
-
-@requires_prefill
-@pytest.mark.parametrize("m,k,e,n,kdim,ours_expected", [
-    (1024, 2, 8, 384, 256, True),  # 256 rows per expert, small experts: our kernel
-    (256, 2, 8, 384, 256, True),  # 64 rows per expert: the rule's lower end
-    (128, 2, 8, 384, 256, False),  # 32 rows per expert: the CUTLASS 64-row kind
-    (128, 2, 2, 8192, 1024, False),  # 8 Mi weight elements an expert: the CUTLASS kind
-])
-def test_fp8_prefill_default_rule(rng, monkeypatch, m, k, e, n, kdim, ours_expected):
-    """$HUMMING_JAX_PREFILL_FP8_WSP unset: w8a8-fp8-block128 grouped calls take our persistent
-    kernel for experts under 8 Mi weight elements from 64 rows per expert, the CUTLASS kinds
-    otherwise (cuda_ffi/gemm_prefill_sm90.cu, wsp_form), equal to the CPU either way."""
-    for var in (gemm_ops.ENV_PREFILL_FP8_WSP, gemm_ops.ENV_PREFILL_MIN_ROWS):
-        monkeypatch.delenv(var, raising=False)
-    p8 = _gemm_inputs(rng, "w8a8-fp8-block128", m, k, e, n, kdim, "uniform")
-    what = f"w8a8-fp8-block128 M={m} top-{k} E={e} N={n} K={kdim}"
-    with _LaunchCount(_ffi.launch_counter("HjPrefillFp8WspLaunches")) as ours:
-        _prefill_once_matches_cpu(p8, what, "prefill")
     assert ours.count == (1 if ours_expected else 0), f"{what}: the default rule picked the other kernel"
 
 

@@ -92,8 +92,9 @@ int gather_switch() {
 // on average (the bound its tile list fits the workspace at); the CUTLASS kinds otherwise. Measured
 // on the H100 (benchmarks/NOTES.md, v22, gemms): qwen3 (1536 x 2048 and 2048 x 768) 1.03x / 1.09x /
 // 1.01x the CUTLASS kinds at 64 / 256 / 1024 rows per expert; deepseek (4096 x 7168, 7168 x 2048)
-// 0.85-0.96x with any form, as mixtral at v13-v20.
-constexpr int64_t kFp8WspMinRowsPerExpert = 64;
+// 0.85-0.96x with any form, as mixtral at v13-v20. On the H200 (v23): qwen3 1.05x the CUTLASS
+// 64-row kind at 32 rows per expert, so the rule starts where the grouped prefill kinds do.
+constexpr int64_t kFp8WspMinRowsPerExpert = 32;
 constexpr int64_t kFp8WspMaxWeights = int64_t{8} << 20;
 
 WspForm wsp_form(Kind kind, int64_t R, int64_t E, int64_t N, int64_t K) {

@@ -701,10 +701,10 @@ def test_grouped_layer_gathers_with_the_switch_and_matches_the_reference(rng, mo
     ("bf16", 1024, 2, 8, 384, 256, True),  # 256 rows per expert: tiles of 256 tokens, one CTA per SM
     ("bf16", 2048, 4, 8, 384, 256, True),  # 1024 rows per expert: clusters of two
     ("bf16", 4096, 4, 8, 384, 256, False),  # 2048 rows per expert: the CUTLASS kind
-    # fp8: ours for experts under 8 Mi weight elements from 64 rows per expert.
+    # fp8: ours for experts under 8 Mi weight elements from 32 rows per expert.
     ("w8a8-fp8-block128", 1024, 2, 8, 384, 256, True),  # 256 rows per expert, small experts
-    ("w8a8-fp8-block128", 256, 2, 8, 384, 256, True),  # 64 rows per expert: the rule's lower end
-    ("w8a8-fp8-block128", 128, 2, 8, 384, 256, False),  # 32 rows per expert: the CUTLASS 64-row kind
+    ("w8a8-fp8-block128", 256, 2, 8, 384, 256, True),  # 64 rows per expert
+    ("w8a8-fp8-block128", 128, 2, 8, 384, 256, True),  # 32 rows per expert: the rule's lower end
     ("w8a8-fp8-block128", 128, 2, 2, 8192, 1024, False),  # 8 Mi weight elements an expert: CUTLASS
 ])
 def test_prefill_default_rule(rng, monkeypatch, scheme, m, k, e, n, kdim, ours_expected):

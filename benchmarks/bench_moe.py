@@ -55,6 +55,7 @@ T_START = time.monotonic()  # the time budget counts from here, imports included
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import gpu_state  # noqa: E402
 import moe_setup as ms  # noqa: E402
 import report  # noqa: E402
 
@@ -164,6 +165,8 @@ class Run:
         self.data["not_run"] = []
         self.data["blocks"] = []  # wall seconds per (shape, format): setup and each point
         self.ragged_shapes: set[str] = set()
+        self.gpu = None  # gpu_state.GpuStateSampler while it samples
+        self._mark = time.monotonic()
         self.path = Path(args.out)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -174,7 +177,17 @@ class Run:
         b = self.args.time_budget_s
         return bool(b) and self.elapsed() + need_s > b
 
+    def mark(self) -> None:
+        """Starts the interval whose GPU state the next row records (each row ends one)."""
+        self._mark = time.monotonic()
+
     def add(self, row: dict) -> dict:
+        now = time.monotonic()
+        if self.gpu is not None and row.get("median_ms"):
+            state = self.gpu.window(self._mark, now)
+            if state is not None:
+                row["gpu_state"] = state
+        self._mark = now
         self.data["rows"].append(row)
         return row
 
@@ -284,6 +297,11 @@ def main(argv=None) -> int:
     if torch_ok:
         meta.update(tpz.versions())
     run = Run(args, meta)
+    if on_gpu:
+        sampler = gpu_state.GpuStateSampler()
+        why = sampler.start()
+        run.data["gpu_state"] = {"sampling": why or f"nvidia-smi every {sampler.period_ms} ms"}
+        run.gpu = None if why else sampler
     print(f"bench_moe: {meta['device']} jax {jax.__version__}, humming_jax CUDA handlers: {meta['humming_jax_cuda']}"
           f" ({hj._ffi.backend_report()['cuda_unavailable_because'] or 'registered'}); XLA_FLAGS={meta['xla_flags']!r}; "
           f"torch peers: {torch_reason or 'yes'}", flush=True)
@@ -317,6 +335,9 @@ def main(argv=None) -> int:
             run.save()
             gc.collect()
 
+    if run.gpu is not None:
+        run.gpu.stop()
+        run.data["gpu_state"]["overall"] = run.gpu.overall()
     run.save()
     finish(run, args)
     return 0
@@ -375,6 +396,7 @@ def run_block(run: Run, args, shape: str, fmt: str, js, tpz, torch_ok: bool, tor
         outputs = {}
         first_row = len(run.data["rows"])
         jp = js.JaxPoint(point, weights)
+        run.mark()
         for system in [s for s in systems if s in JAX_SYSTEMS]:
             for part in parts_for(system, parts, args.all_parts):
                 if system == "ragged_dot" and rd_w is None:
@@ -450,6 +472,7 @@ def torch_point(run, args, shape, fmt, m, routing, point, r_sets, nb16, flops, t
         run.skip(f"{shape} {fmt} M={m} {routing} torch peers", "time budget")
         return
     tp = None
+    run.mark()
     if torch_ok:
         try:
             tp = tpz.TorchPoint(point)
@@ -496,7 +519,9 @@ def print_point(run: Run, shape, fmt, m, routing, r_sets, secs) -> None:
         if (r["shape"], r["format"], r["M"], r["routing"]) != (shape, fmt, m, routing):
             continue
         tag = f"{report.SHORT[r['system']]}{'' if r['part'] == 'layer' else 'G'}"
-        parts.append(f"{tag}={'err' if r.get('error') else format(r['median_ms'], '.4f')}")
+        clock = r.get("gpu_state", {}).get("sm_mhz_median")
+        at = f"@{clock:.0f}MHz" if clock else ""
+        parts.append(f"{tag}={'err' if r.get('error') else format(r['median_ms'], '.4f')}{at}")
         if r.get("rel_err_vs_ragged_dot", 0) > 0.1:
             parts.append(f"[{tag} rel_err {r['rel_err_vs_ragged_dot']:.2f} vs ragged_dot!]")
         if r.get("check") not in (None, "ok"):
@@ -522,6 +547,13 @@ def finish(run: Run, args) -> None:
     if data["not_run"]:
         print(f"not run ({len(data['not_run'])}): " + "; ".join(f"{n['what']} ({n['why']})" for n in data["not_run"][:12]))
     print(report.summary_text(data))
+    overall = data.get("gpu_state", {}).get("overall")
+    if overall:
+        slowed = [r for r in data["rows"] if r.get("gpu_state", {}).get("slowdown_samples")]
+        print(f"GPU state while busy: SM clock median {overall.get('sm_mhz_median')} MHz, lowest "
+              f"{overall.get('sm_mhz_min')}, power up to {overall.get('power_w_max')} W; "
+              f"{len(slowed)} of {len(data['rows'])} rows timed with a slowdown reason "
+              f"({overall.get('slowdown_reasons', 'none')}: power or thermal caps)")
     print(report.targets_text(report.check_targets(data)))
     print(f"wrote {run.path} ({len(data['rows'])} rows, {run.elapsed():.0f}s)")
 

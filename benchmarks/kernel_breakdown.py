@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import jax
 
+import gpu_state
 import jax_systems as js
 import moe_setup as ms
 from device_timer import busy_time_ns, kernel_table, launch_sequence, trace_calls
@@ -35,7 +37,12 @@ def main() -> None:
     step = make_step(jp, args.part)
     for _ in range(3):  # compile, record the graphs, warm
         jax.block_until_ready(step())
+    sampler = gpu_state.GpuStateSampler()
+    sampling = sampler.start()
+    t0 = time.monotonic()
     found = trace_calls(step, args.calls)
+    state = sampler.window(t0, time.monotonic())
+    sampler.stop()
     if found is None:
         raise SystemExit("the trace has no GPU plane: this backend has no device timeline")
     events, lines = found
@@ -43,6 +50,9 @@ def main() -> None:
     table = kernel_table(events, args.calls)
     print(f"{args.shape} {args.format} M={args.tokens} {args.part}: {span_ms * 1e3:.1f} µs of GPU activity per call "
           f"({sum(r[2] for r in table):.1f} µs in kernels); lines: {', '.join(lines)}")
+    if state and state.get("samples"):
+        print(f"  GPU while tracing: SM clock median {state.get('sm_mhz_median')} MHz, lowest {state.get('sm_mhz_min')}, "
+              f"power up to {state.get('power_w_max')} W, slowdown {state.get('slowdown_reasons', 'none')}")
     for name, n, us in table:
         print(f"  {us:9.1f} µs  {n:5.1f}x  {name[:110]}")
     seq = launch_sequence(events, args.calls)
@@ -53,7 +63,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"shape": args.shape, "format": args.format, "M": args.tokens, "part": args.part,
-                       "span_ms": span_ms, "lines": lines,
+                       "span_ms": span_ms, "lines": lines, "gpu_state": state or sampling,
                        "kernels": [{"name": n, "launches": c, "us": u} for n, c, u in table],
                        "sequence": None if seq is None else [{"name": n, "us": u} for n, u in seq]}, fh, indent=1)
 

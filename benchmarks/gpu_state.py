@@ -141,6 +141,13 @@ class GpuStateSampler:
             inside = [s for s in self.samples if t0 <= s.t <= t1]
         return summarize(inside)
 
+    def windows(self, intervals: Sequence[tuple[float, float]]) -> dict | None:
+        """The summary of the samples read inside any of the intervals (e.g. one variant's samples
+        when variants are timed in turn), or None."""
+        with self._lock:
+            inside = [s for s in self.samples if any(t0 <= s.t <= t1 for t0, t1 in intervals)]
+        return summarize(inside)
+
     def overall(self) -> dict | None:
         with self._lock:
             return summarize(list(self.samples))

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 
 import humming_jax as hj  # noqa: E402
 
+import gpu_state  # noqa: E402
 import jax_systems as js  # noqa: E402
 import moe_setup as ms  # noqa: E402
 from device_timer import device_time_per_call  # noqa: E402
@@ -109,6 +110,10 @@ def main() -> None:
     before = os.environ.get(args.var)
     rows = []
     trace_lines: list[str] = []
+    # Values are timed in turn, so a power-capped card slows whichever runs later in a round: each
+    # value's rows say under which clocks its samples ran.
+    sampler = gpu_state.GpuStateSampler()
+    sampling = sampler.start() if jax.devices()[0].platform in ("gpu", "cuda") else "not a GPU"
 
     def sample_ms(step, calls: int, sets: int, launches: list) -> float:
         """One sample's ms per input set; with the device timer, appends its launch sequence."""
@@ -149,10 +154,13 @@ def main() -> None:
                     continue
                 samples: dict[str, list[float]] = {v: [] for v in values}
                 seqs: dict[str, list] = {v: [] for v in values}
+                spans: dict[str, list[tuple[float, float]]] = {v: [] for v in values}
                 for _ in range(args.repeats):
                     for v in values:
                         set_var(args.var, v)
+                        t0 = time.monotonic()
                         samples[v].append(sample_ms(steps[v], calls[v], jp.R, seqs[v]))
+                        spans[v].append((t0, time.monotonic()))
                 res = {v: float(np.median(t)) for v, t in samples.items()}
                 best = min(res, key=res.get)
                 print(f"{shape:16s} {fmt:18s} M={m:<5d} " + " ".join(f"{v}={ms_:.4f}" for v, ms_ in res.items())
@@ -160,13 +168,20 @@ def main() -> None:
                 row = {"shape": shape, "format": fmt, "M": m, "sets": jp.R, "ms": res, "samples_ms": samples}
                 if all(seqs.values()):
                     row["launches_us"] = {v: launch_medians(s) for v, s in seqs.items()}
+                if sampler.running:
+                    row["gpu_state"] = {v: sampler.windows(sp) for v, sp in spans.items()}
+                    clocks = {v: (st or {}).get("sm_mhz_median") for v, st in row["gpu_state"].items()}
+                    print("    SM clock while busy (median MHz): " + " ".join(f"{v}={c}" for v, c in clocks.items()),
+                          flush=True)
                 rows.append(row)
                 del steps, jp
             del w
     set_var(args.var, before if before is not None else "unset")
+    sampler.stop()
     with open(args.out, "w") as fh:
         json.dump({"var": args.var, "values": values, "part": args.part, "timer": args.timer,
                    "trace_lines": trace_lines, "rows": rows, "repeats": args.repeats,
+                   "gpu_state": sampling or f"nvidia-smi every {sampler.period_ms} ms",
                    "xla_flags": os.environ["XLA_FLAGS"], "device": str(jax.devices()[0]),
                    "backends": hj._ffi.backend_report()}, fh, indent=1)
 

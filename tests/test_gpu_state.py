@@ -69,6 +69,10 @@ def test_sampler_windows_over_a_stand_in_command(tmp_path):
     later = sampler.window(sampler.samples[10].t, t1)
     assert later["sm_mhz_min"] == 1980.0 and later["slowdown_samples"] == 0 and "slowdown_reasons" not in later
     assert sampler.window(t1 + 10, t1 + 20) is None  # no samples in the interval
+    # Two intervals, one in each phase: both phases' samples, the slowed ones counted.
+    both = sampler.windows([(sampler.samples[0].t, sampler.samples[1].t), (sampler.samples[20].t, sampler.samples[21].t)])
+    assert both["samples"] == 4 and both["slowdown_samples"] == 2 and both["sm_mhz_min"] == 1500.0
+    assert sampler.windows([]) is None
     n = len(sampler.samples)
     time.sleep(0.1)
     assert len(sampler.samples) == n  # stopped: nothing more is read

@@ -11,6 +11,7 @@ every window is None.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import statistics
 import subprocess
@@ -113,6 +114,7 @@ class GpuStateSampler:
             return f"{self.command[0]}: {exc}"
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # a run that ends early leaves no sampler behind (it would die of SIGPIPE)
         return None
 
     def _read(self) -> None:

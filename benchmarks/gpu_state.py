@@ -139,9 +139,7 @@ class GpuStateSampler:
 
     def window(self, t0: float, t1: float) -> dict | None:
         """The summary of the samples read between t0 and t1 (time.monotonic()), or None."""
-        with self._lock:
-            inside = [s for s in self.samples if t0 <= s.t <= t1]
-        return summarize(inside)
+        return self.windows([(t0, t1)])
 
     def windows(self, intervals: Sequence[tuple[float, float]]) -> dict | None:
         """The summary of the samples read inside any of the intervals (e.g. one variant's samples

@@ -381,7 +381,7 @@ def rs4_warp_specialized_switch() -> int | None:
 # the bf16 grouped GEMM with unquantized bf16 weights takes its kernel by default, on tiles of up to
 # 256 tokens, below 2048 rows per expert on average, on clusters of two CTAs from 512 rows per expert
 # or 64 Mi weight elements an expert; w8a8-fp8-block128 takes its own (tiles of up to 128 tokens, one
-# CTA per SM) for experts of fewer than 8 Mi weight elements at 64 to 2047 rows per expert, the
+# CTA per SM) for experts of fewer than 8 Mi weight elements at 32 to 2047 rows per expert, the
 # CUTLASS kinds otherwise (both rules: cuda_ffi/gemm_prefill_sm90.cu, wsp_form). The switches
 # $HUMMING_JAX_PREFILL_BF16_WSP and $HUMMING_JAX_PREFILL_FP8_WSP fix the form: =1 one CTA per SM, =2
 # clusters of two sharing the tokens, =3 / =4 the same on tiles of up to 256 tokens (two consumer

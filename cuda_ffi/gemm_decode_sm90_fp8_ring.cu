@@ -363,7 +363,16 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
                            box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return false;
-  const int grid = static_cast<int>(std::min<int64_t>(units, std::max(sms, 1)));
+  // One CTA per SM; HUMMING_JAX_RING_BALANCE=1 (A/B timing): as many CTAs as give every CTA the
+  // same number of the expected units (the round robin's rounds over the SMs, each CTA a full last
+  // round), where the SMs would otherwise split the last round unevenly.
+  int64_t grid64 = std::min<int64_t>(units, std::max(sms, 1));
+  if (env_flag("HUMMING_JAX_RING_BALANCE", false)) {
+    const int64_t expected = std::max<int64_t>(1, std::min<int64_t>(units, ring_units(D, std::max(D.est_items, 1), Ring<T>::kRows)));
+    const int64_t rounds = (expected + grid64 - 1) / grid64;
+    grid64 = (expected + rounds - 1) / rounds;
+  }
+  const int grid = static_cast<int>(grid64);
   fp8_ring_kernel<T><<<grid, kRingThreads, Ring<T>::kSmem, stream>>>(R);
   return true;
 }

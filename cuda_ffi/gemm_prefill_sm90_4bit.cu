@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -1050,19 +1051,47 @@ size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
   return 128 + act_offset(R, E) + static_cast<size_t>(R) * static_cast<size_t>(K) * 2;
 }
 
+namespace {
+
+// The work items' share of whole rounds over the SMs (1: the last round full).
+double round_fill(int64_t items, int sms) {
+  const int64_t slots = std::max(sms, 1);
+  return items <= 0 ? 0.0 : static_cast<double>(items) / static_cast<double>((items + slots - 1) / slots * slots);
+}
+
+// The form up to kWsRowsPerExpert rows per expert on average: a persistent one (benchmarks/NOTES.md,
+// v24, per-GEMM times on the H100 at 32 and 48 rows per expert: one slab and 128-token tiles, form
+// 4, 0.86-0.99x the two-CTA form's time, but 1.01x and 1.03x at two GEMMs of K >= 4096). Two slabs
+// and 48-token tiles (form 3) took 0.87-0.93x form 4's time where K <= 2048 and its items (twice the rows, half as many)
+// filled their last round over the SMs as well as form 4's (qwen3 both GEMMs, int4 and mxfp4, at 32
+// rows per expert); elsewhere 0.96-1.62x (K of 4096-14336, a half-empty round, or 48 rows per expert,
+// where experts take two of its tiles).
+int ws_form(const GroupedArgs& g, int sms) {
+  const int64_t e = std::max<int64_t>(g.E, 1);
+  if (g.R > 32 * e || g.K > 2048) return 4;
+  const double f3 = round_fill((g.N + WspTwoSlabs::kRowsCta - 1) / WspTwoSlabs::kRowsCta * e, sms);
+  const double f4 = round_fill((g.N + WspOneSlab::kRowsCta - 1) / WspOneSlab::kRowsCta * e, sms);
+  return f3 >= 0.95 * f4 ? 3 : 4;
+}
+
+}  // namespace
+
+// Launches of the 4-bit mainloop by form (0: plain, 1-4: warp-specialized; tests read them).
+std::atomic<uint64_t> g_rs4_form_launches[5];
+
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
-  // The warp-specialized form (one slab per warpgroup) up to kWsRowsPerExpert rows per expert on
-  // average: its tiles hold at most 64 rows, so above that more experts take two passes over their
-  // weights. It loads by TMA, so the rule also needs the driver's tensor-map encoder (the call fails
-  // where HUMMING_JAX_PREFILL_RS4_WS forces it without one). HUMMING_JAX_PREFILL_RS4_WS=1 / =2:
-  // the form with one / two slabs always (A/B), =3 / =4: the persistent form with two slabs and
-  // tiles of 48 rows / one slab and 128, =0: never; Python rejects
-  // other values.
+  // Up to kWsRowsPerExpert rows per expert on average a persistent form (ws_form), above it the
+  // plain mainloop, whose tiles hold up to 128 rows. The warp-specialized forms load by TMA, so the
+  // rule also needs the driver's tensor-map encoder (the call fails where
+  // HUMMING_JAX_PREFILL_RS4_WS forces one without it). HUMMING_JAX_PREFILL_RS4_WS=1 / =2: the
+  // two-CTA form with one / two slabs always (A/B), =3 / =4: the persistent form with two slabs and
+  // tiles of 48 rows / one slab and 128, =0: never; Python rejects other values.
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
   const int form = ws_switch >= 1 && ws_switch <= 4 ? static_cast<int>(ws_switch)
-                   : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr ? 1
-                                                                                                           : 0;
+                   : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr
+                       ? ws_form(g, dev.sm_count)
+                       : 0;
   const bool persistent = form >= 3;  // 3: WspTwoSlabs, 4: WspOneSlab
   const int ws_slabs = form == 1 || form == 2 ? form : 0;
   const bool warp_specialized = form > 0;
@@ -1153,15 +1182,28 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     const char* name = persistent ? "gemm4_wsp_kernel: " : "gemm4_ws_kernel: ";
     if (!ok) return std::string(name) + cudaGetErrorString(cudaGetLastError());
     err = cudaGetLastError();
-    return err == cudaSuccess ? std::string() : std::string(name) + cudaGetErrorString(err);
+    if (err != cudaSuccess) return std::string(name) + cudaGetErrorString(err);
+    g_rs4_form_launches[form].fetch_add(1, std::memory_order_relaxed);
+    return std::string();
   }
   if (codes == Codes::kE2M1)
     gemm4_kernel<Codes::kE2M1><<<grid, kThreads, kSmem, stream>>>(P);
   else
     gemm4_kernel<Codes::kU4><<<grid, kThreads, kSmem, stream>>>(P);
   err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string("gemm4_kernel: ") + cudaGetErrorString(err);
+  if (err != cudaSuccess) return std::string("gemm4_kernel: ") + cudaGetErrorString(err);
+  g_rs4_form_launches[0].fetch_add(1, std::memory_order_relaxed);
+  return std::string();
 }
 
 }  // namespace prefill
 }  // namespace hj
+
+// Launches of the 4-bit mainloop's persistent forms made by this process (host-side counts; tests
+// use them to prove which form the rule took): two slabs and 48-token tiles / one slab and 128.
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillRs4TwoSlabLaunches() {
+  return hj::prefill::g_rs4_form_launches[3].load(std::memory_order_relaxed);
+}
+extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillRs4OneSlabLaunches() {
+  return hj::prefill::g_rs4_form_launches[4].load(std::memory_order_relaxed);
+}

@@ -422,6 +422,56 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
         np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
 
 
+
+_RS4_TWO_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4TwoSlabLaunches") if GPU is not None else None
+_RS4_ONE_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4OneSlabLaunches") if GPU is not None else None
+
+
+def _rs4_rule_form(rows, e, n, kdim, sms):
+    """The 4-bit mainloop's default form (cuda_ffi/gemm_prefill_sm90_4bit.cu, ws_form), restated:
+    0 the plain mainloop above 48 rows per expert; 3 (two slabs, 48-token tiles) up to 32 rows per
+    expert with K <= 2048 where its items fill their last round over the SMs within 5% as well as
+    form 4's; else 4 (one slab, 128-token tiles)."""
+    if rows > 48 * e:
+        return 0
+    if rows > 32 * e or kdim > 2048:
+        return 4
+
+    def fill(items):
+        return items / (-(-items // sms) * sms)
+
+    return 3 if fill(-(-n // 512) * e) >= 0.95 * fill(-(-n // 256) * e) else 4
+
+
+@requires_prefill
+@pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4"])
+@pytest.mark.parametrize("m,k,e,n,kdim", [
+    (512, 8, 128, 512, 256),  # 32 rows per expert, short K, 128 / 256 items: two slabs on 132 SMs
+    (512, 8, 128, 512, 2176),  # the same past K = 2048: one slab
+    (128, 2, 8, 1024, 256),  # 32 rows per expert, 16 / 32 items, both rounds far from full: one slab
+    (768, 8, 128, 512, 256),  # 48 rows per expert: one slab
+    (1024, 8, 128, 512, 256),  # 64: the plain mainloop
+])
+def test_prefill_4bit_default_form_follows_the_rule(rng, monkeypatch, scheme, m, k, e, n, kdim):
+    """Without HUMMING_JAX_PREFILL_RS4_WS the 4-bit mainloop takes the form its rule names (counted
+    by launch), and its result equals the CPU's."""
+    for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED,
+                gemm_ops.ENV_PREFILL_RS4_WS):
+        monkeypatch.delenv(var, raising=False)
+    sms = getattr(GPU, "core_count", None)
+    if not sms:
+        pytest.skip("the device does not report its SM count")
+    group_k = 32 if scheme == "w4a16-mxfp4" else 128
+    weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, "uniform", dtype=jnp.bfloat16, weight=weight)
+    want = _rs4_rule_form(m * k, e, n, kdim, sms)
+    what = f"{scheme} M={m} k={k} E={e} N={n} K={kdim} on {sms} SMs"
+    with _LaunchCount(_RS4_TWO_SLAB_LAUNCHES) as two, _LaunchCount(_RS4_ONE_SLAB_LAUNCHES) as one:
+        got, last = _prefill_once_matches_cpu(p, what, "4-bit prefill")
+    assert (two.count, one.count) == ((1 if want == 3 else 0), (1 if want == 4 else 0)), (
+        f"{what}: expected form {want}, launches two-slab {two.count}, one-slab {one.count}")
+    assert np.any(got[:last] != 0.0), what
+
 # Our persistent kernels ($HUMMING_JAX_PREFILL_BF16_WSP, $HUMMING_JAX_PREFILL_FP8_WSP): scheme, M,
 # top-k, E, N, K, routing, bias.
 WSP_CASES = [

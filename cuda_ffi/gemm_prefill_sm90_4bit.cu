@@ -465,6 +465,9 @@ __device__ __forceinline__ uint32_t lds32(uint32_t a) {
 __device__ __forceinline__ void sts32(uint32_t a, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v) : "memory");
 }
+__device__ __forceinline__ void lds128(uint32_t (&r)[4], uint32_t a) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
 // The OR of four words.
 __device__ __forceinline__ uint32_t lds128_or(uint32_t a) {
   uint32_t x, y, z, w;
@@ -592,7 +595,30 @@ __device__ __forceinline__ void second_factor(uint32_t sw, int t, uint32_t& f2) 
   }
 }
 
-template <Codes C, int BN, int S, int AW = BN / 2, bool kPre = false>
+// A thread's rows' scale words (kPacked: its 2 S words adjacent at sc_s, in (slab, h) order, one
+// 4- or 8-byte load; else at sc_s + (64 slab + 8 h) * 2, the row-major slot).
+template <int S, bool kPacked>
+__device__ __forceinline__ void scale_words(uint32_t sc_s, uint32_t (&sw)[S][2]) {
+  if constexpr (kPacked) {
+    uint32_t v[S];
+    if constexpr (S == 1)
+      v[0] = lds32(sc_s);
+    else
+      decode::lds64(v, sc_s);
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl) {
+      sw[sl][0] = v[sl] & 0xffffu;
+      sw[sl][1] = v[sl] >> 16;
+    }
+  } else {
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sw[sl][h] = lds16(sc_s + (64 * sl + 8 * h) * 2);
+  }
+}
+
+template <Codes C, int BN, int S, int AW = BN / 2, bool kPre = false, bool kPacked = false>
 __device__ __forceinline__ void ws_stage(float (&acc)[S][AW], uint32_t (&frag)[2][S][4], uint32_t code_s,
                                          uint32_t sc_s, uint32_t act_s, int t, bool accumulate, uint32_t release,
                                          WsFactors pre = WsFactors()) {
@@ -600,24 +626,42 @@ __device__ __forceinline__ void ws_stage(float (&acc)[S][AW], uint32_t (&frag)[2
   uint32_t f1[S][2], f2[S][2];
   bool any_two;
   if constexpr (kPre) {
+    uint32_t fw[S][2];  // the first factors' words (kPacked: adjacent, one 8- or 16-byte load)
+    if constexpr (kPacked && S == 1) {
+      decode::lds64(fw[0], pre.fac_s);
+    } else if constexpr (kPacked) {
+      uint32_t v[4];
+      lds128(v, pre.fac_s);
 #pragma unroll
-    for (int sl = 0; sl < S; ++sl)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) f1[sl][h] = __byte_perm(lds32(pre.fac_s + (64 * sl + 8 * h) * 4), 0u, pre.sel);
-    any_two = lds128_or(pre.flag_s) != 0u;  // the same for the whole CTA: no vote
-    if (any_two) {
+      for (int i = 0; i < 4; ++i) fw[i >> 1][i & 1] = v[i];
+    } else {
 #pragma unroll
       for (int sl = 0; sl < S; ++sl)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) second_factor<C>(lds16(sc_s + (64 * sl + 8 * h) * 2), t, f2[sl][h]);
+        for (int h = 0; h < 2; ++h) fw[sl][h] = lds32(pre.fac_s + (64 * sl + 8 * h) * 4);
+    }
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) f1[sl][h] = __byte_perm(fw[sl][h], 0u, pre.sel);
+    any_two = lds128_or(pre.flag_s) != 0u;  // the same for the whole CTA: no vote
+    if (any_two) {
+      uint32_t sw[S][2];
+      scale_words<S, kPacked>(sc_s, sw);
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) second_factor<C>(sw[sl][h], t, f2[sl][h]);
     }
   } else {
     bool two = false;
+    uint32_t sws[S][2];
+    scale_words<S, kPacked>(sc_s, sws);
 #pragma unroll
     for (int sl = 0; sl < S; ++sl)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t sw = lds16(sc_s + (64 * sl + 8 * h) * 2);
+        const uint32_t sw = sws[sl][h];
         if constexpr (C == Codes::kE2M1) {
           bool tw;
           fp4_factors((sw >> (8 * (t >> 1))) & 0xffu, f1[sl][h], f2[sl][h], tw);  // this lane's 32-k group
@@ -828,6 +872,19 @@ struct WspShape {
 template <Codes C, typename Sh>
 constexpr bool wsp_pre = Sh::kPreFactors && C == Codes::kE2M1;
 
+// The persistent forms' scale slots are thread-major: consumer thread (wg, warp, g)'s rows' words
+// (row wg 64 S + 64 slab + 16 warp + 8 h + g, in (slab, h) order) lie adjacent at index
+// ((4 wg + warp) 8 + g) 2 S, so it reads them in one 4- or 8-byte load (its first factors in one
+// 8- or 16-byte load) instead of 2 S separate ones: the loads and their waits were the consumers'
+// main stall at two slabs (benchmarks/NOTES.md, v24). Row p + 128 q of the producer's thread p
+// lies at wsp_packed<S>(p) + 128 q.
+template <int S>
+__device__ __forceinline__ uint32_t wsp_packed(uint32_t p) {
+  const uint32_t lane_pos = ((p >> 4) & 3u) * 8u + (p & 7u), h = (p >> 3) & 1u;
+  if constexpr (S == 2) return lane_pos * 4u + ((p >> 6) & 1u) * 2u + h;
+  return (p >> 6) * 64u + lane_pos * 2u + h;
+}
+
 using WspTwoSlabs = WspShape<2, 48, 32>;   // HUMMING_JAX_PREFILL_RS4_WS=3
 using WspOneSlab = WspShape<1, 128, 64>;   // HUMMING_JAX_PREFILL_RS4_WS=4
 
@@ -853,6 +910,8 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   const int nb = (N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
   const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
   const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
+  static_assert(Sh::kSlabs == 1 || Sh::kSlabs == 2, "wsp_packed covers one or two slabs");
+  const uint32_t pk = wsp_packed<Sh::kSlabs>(static_cast<uint32_t>(p));
   uint32_t slot = 0, phase = 0;
   for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
     const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
@@ -881,7 +940,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
       [[maybe_unused]] uint32_t two = 0;  // e2m1 with precomputed factors only
 #pragma unroll
       for (int q = 0; q < kWords; ++q) {
-        const uint32_t sw = ring[J][q], row = static_cast<uint32_t>(p + 128 * q);
+        const uint32_t sw = ring[J][q], row = pk + 128u * q;  // row p + 128 q's packed index
         sts16(sc_s + row * 2, sw);
         if constexpr (wsp_pre<C, Sh>) {
           // fp4_factors' first factor of each 32-k group's e8m0 byte, as the consumers would
@@ -927,7 +986,9 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
   // The thread's addresses in slot 0 (codes, scale words, first factors) and its group's byte
   // selector, opaque to ptxas, which would otherwise recompute them from the thread index at
   // every stage (some 20 instructions of the stage's ~270).
-  uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, raw_t = sc0 + row00 * 2, fac_t = sc0 + Sh::kRawBytes + row00 * 4;
+  const int tpos = (wg * 4 + warp) * 8 + g;  // the thread's packed scale words (wsp_packed)
+  uint32_t code_t = code0 + row00 * (kBK / 2) + t * 8, raw_t = sc0 + tpos * 4 * S,
+           fac_t = sc0 + Sh::kRawBytes + tpos * 8 * S;
   uint32_t sel = 0x1010u + 0x2222u * static_cast<uint32_t>(t >> 1);  // the lane's group's bf16 half, twice
   asm volatile("" : "+r"(code_t), "+r"(raw_t), "+r"(fac_t), "+r"(sel));
 
@@ -940,7 +1001,7 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
     pre.fac_s = fac_t + sc_s;
     pre.flag_s = sc0 + sc_s + Sh::kRawBytes + Sh::kFacBytes;
     pre.sel = sel;
-    ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>>(acc, frag, code_t + slot * Sh::kCodeBytes, raw_t + sc_s,
+    ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>, true>(acc, frag, code_t + slot * Sh::kCodeBytes, raw_t + sc_s,
                                                            act0 + slot * Sh::kActBytes, t, kt > 0,
                                                            kt > 0 ? bar_empty + 8 * prev : 0u, pre);
     prev = slot;

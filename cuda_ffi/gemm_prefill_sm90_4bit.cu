@@ -875,8 +875,8 @@ constexpr bool wsp_pre = Sh::kPreFactors && C == Codes::kE2M1;
 // The persistent forms' scale slots are thread-major: consumer thread (wg, warp, g)'s rows' words
 // (row wg 64 S + 64 slab + 16 warp + 8 h + g, in (slab, h) order) lie adjacent at index
 // ((4 wg + warp) 8 + g) 2 S, so it reads them in one 4- or 8-byte load (its first factors in one
-// 8- or 16-byte load) instead of 2 S separate ones: the loads and their waits were the consumers'
-// main stall at two slabs (benchmarks/NOTES.md, v24). Row p + 128 q of the producer's thread p
+// 8- or 16-byte load) instead of 2 S separate ones, whose issue and waits were a large share of the
+// consumers' stalls at two slabs (benchmarks/NOTES.md, v24). Row p + 128 q of the producer's thread p
 // lies at wsp_packed<S>(p) + 128 q.
 template <int S>
 __device__ __forceinline__ uint32_t wsp_packed(uint32_t p) {
@@ -1137,10 +1137,10 @@ double round_fill(int64_t items, int sms) {
 // The form up to kWsRowsPerExpert rows per expert on average: a persistent one (benchmarks/NOTES.md,
 // v24, per-GEMM times on the H100 at 32 and 48 rows per expert: one slab and 128-token tiles, form
 // 4, 0.86-0.99x the two-CTA form's time, but 1.01x and 1.03x at two GEMMs of K >= 4096). Two slabs
-// and 48-token tiles (form 3) took 0.87-0.93x form 4's time where K <= 2048 and its items (twice the rows, half as many)
-// filled their last round over the SMs as well as form 4's (qwen3 both GEMMs, int4 and mxfp4, at 32
-// rows per expert); elsewhere 0.96-1.62x (K of 4096-14336, a half-empty round, or 48 rows per expert,
-// where experts take two of its tiles).
+// and 48-token tiles (form 3) took 0.87-0.93x form 4's time where K <= 2048 and its items (twice
+// the rows, half as many) filled their last round over the SMs as well as form 4's (qwen3 both
+// GEMMs, int4 and mxfp4, at 32 rows per expert); elsewhere 0.96-1.62x (K of 4096-14336, a
+// half-empty round, or 48 rows per expert, where experts take two of its tiles).
 int ws_form(const GroupedArgs& g, int sms) {
   const int64_t e = std::max<int64_t>(g.E, 1);
   if (g.R > 32 * e || g.K > 2048) return 4;

@@ -422,7 +422,6 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
         np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
 
 
-
 _RS4_TWO_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4TwoSlabLaunches") if GPU is not None else None
 _RS4_ONE_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4OneSlabLaunches") if GPU is not None else None
 
@@ -471,6 +470,7 @@ def test_prefill_4bit_default_form_follows_the_rule(rng, monkeypatch, scheme, m,
     assert (two.count, one.count) == ((1 if want == 3 else 0), (1 if want == 4 else 0)), (
         f"{what}: expected form {want}, launches two-slab {two.count}, one-slab {one.count}")
     assert np.any(got[:last] != 0.0), what
+
 
 # Our persistent kernels ($HUMMING_JAX_PREFILL_BF16_WSP, $HUMMING_JAX_PREFILL_FP8_WSP): scheme, M,
 # top-k, E, N, K, routing, bias.

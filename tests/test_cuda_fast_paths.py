@@ -1095,7 +1095,8 @@ _DECODE_RING_LAUNCHES = _ffi.launch_counter("HjDecodeRingLaunches") if GPU is no
 # 1 or 2 warp groups, HUMMING_JAX_DECODE_WK; "staged": activations per K step instead of whole,
 # HUMMING_JAX_DECODE_WHOLE_ACT=0), on the persistent ring kernel (HUMMING_JAX_DECODE_RING=1:
 # TMA weights, wgmma, 128-k stages, so K = 80 is one partial stage; work units of 128 or 256 rows by
-# the host's rule or forced, HUMMING_JAX_RING_ROWS), or by the default choice between the two.
+# the host's rule or forced, HUMMING_JAX_RING_ROWS; a grid of fewer CTAs than SMs where that evens
+# the units' rounds, HUMMING_JAX_RING_BALANCE), or by the default choice between the two.
 # Shapes: 1 row per item (B of 8 tokens), up to 16 (B of 16), K = 80 (a partial last chunk column,
 # per-channel weight scales, one activation scale per token), and more work units than SMs.
 _NO_RING = {"HUMMING_JAX_DECODE_RING": "0"}
@@ -1106,7 +1107,8 @@ _FP8_ENV = {"default": {}, "decode": _NO_RING, "wk1": {**_NO_RING, "HUMMING_JAX_
             "ring": _RING, "ring-128": {**_RING, "HUMMING_JAX_RING_ROWS": "128"},
             "ring-256": {**_RING, "HUMMING_JAX_RING_ROWS": "256"},
             "ring-wide": {**_RING, "HUMMING_JAX_RING_NARROW": "0"},  # 16-token MMAs for every unit
-            "ring-item": {**_RING, "HUMMING_JAX_RING_ORDER": "item"}}  # an item's slices in turn
+            "ring-item": {**_RING, "HUMMING_JAX_RING_ORDER": "item"},  # an item's slices in turn
+            "ring-balance": {**_RING, "HUMMING_JAX_RING_BALANCE": "1"}}  # CTAs for even rounds of units
 
 
 @requires_decode

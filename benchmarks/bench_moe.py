@@ -550,8 +550,7 @@ def finish(run: Run, args) -> None:
     overall = data.get("gpu_state", {}).get("overall")
     if overall:
         slowed = [r for r in data["rows"] if r.get("gpu_state", {}).get("slowdown_samples")]
-        print(f"GPU state while busy: SM clock median {overall.get('sm_mhz_median')} MHz, lowest "
-              f"{overall.get('sm_mhz_min')}, power up to {overall.get('power_w_max')} W; "
+        print(f"GPU state while busy: {gpu_state.describe(overall)}; "
               f"{len(slowed)} of {len(data['rows'])} rows timed with a slowdown reason "
               f"({overall.get('slowdown_reasons', 'none')}: power or thermal caps)")
     print(report.targets_text(report.check_targets(data)))

@@ -85,6 +85,12 @@ def summarize(samples: Sequence[Sample]) -> dict | None:
     return out
 
 
+def describe(summary: dict) -> str:
+    """A summary's clocks and power in words (the line the benchmarks print beside their timings)."""
+    return (f"SM clock median {summary.get('sm_mhz_median')} MHz, lowest {summary.get('sm_mhz_min')}, "
+            f"power up to {summary.get('power_w_max')} W")
+
+
 class GpuStateSampler:
     """`nvidia-smi --query-gpu=QUERY -lms PERIOD` read by a background thread.
 

@@ -51,8 +51,7 @@ def main() -> None:
     print(f"{args.shape} {args.format} M={args.tokens} {args.part}: {span_ms * 1e3:.1f} µs of GPU activity per call "
           f"({sum(r[2] for r in table):.1f} µs in kernels); lines: {', '.join(lines)}")
     if state and state.get("samples"):
-        print(f"  GPU while tracing: SM clock median {state.get('sm_mhz_median')} MHz, lowest {state.get('sm_mhz_min')}, "
-              f"power up to {state.get('power_w_max')} W, slowdown {state.get('slowdown_reasons', 'none')}")
+        print(f"  GPU while tracing: {gpu_state.describe(state)}, slowdown {state.get('slowdown_reasons', 'none')}")
     for name, n, us in table:
         print(f"  {us:9.1f} µs  {n:5.1f}x  {name[:110]}")
     seq = launch_sequence(events, args.calls)

@@ -42,6 +42,9 @@ def test_summarize_leaves_idle_samples_out_and_collects_slowdowns():
     idle = gs.summarize([gs.Sample(0.0, 345.0, 80.0, 0x1)])
     assert idle == {"samples": 0, "idle_samples": 1, "slowdown_samples": 0}
     assert gs.summarize([]) is None
+    text = gs.describe(out)
+    assert text == (f"SM clock median {out['sm_mhz_median']} MHz, lowest {out['sm_mhz_min']}, "
+                    f"power up to {out['power_w_max']} W")
 
 
 def test_sampler_windows_over_a_stand_in_command(tmp_path):

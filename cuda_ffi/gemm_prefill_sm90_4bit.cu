@@ -34,8 +34,9 @@
 //    most 96 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
 //    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
 //  * A persistent form (gemm4_wsp_kernel, HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four
-//    consumer warpgroups and a producer warpgroup that gives them registers (setmaxnreg) and
-//    precomputes the e2m1 scale factors. Same bits.
+//    consumer warpgroups and a producer warpgroup that gives them registers (setmaxnreg),
+//    precomputes the e2m1 scale factors and, where a row's scales span whole 16 bytes, takes them
+//    by TMA in 16-byte windows a row. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -446,6 +447,8 @@ struct WsShape {
 struct Ws4Params {
   CUtensorMap codes;   // [E][N][K / 2] bytes; box (32, 128 S, 1), no swizzle
   CUtensorMap act[kMaxTokens / 16];  // permuted activations [R][K] bf16 as (K, R, 1); box (kBK, 16 (i + 1), 1), 128-byte swizzle
+  CUtensorMap scales;  // persistent forms with TMA scales (WspShape::kTmaScales): uint4 [E][N][scale_cols] bf16, box
+                       // (8, 256, 1); e2m1 [E][N][K / 32] bytes, box (16, 256, 1)
   Params4 P;
 };
 
@@ -831,7 +834,7 @@ __global__ void __launch_bounds__(kWsThreads, 2) gemm4_ws_kernel(const __grid_co
 // ---------------------------------------------------------------------------------------------
 // The persistent form's shape: S slabs of 64 rows per consumer warpgroup, tiles of at most kMaxTokens
 // rows run kNarrow or kMaxTokens wide (two widths: see gemm4_wsp_kernel).
-template <int S, int kMaxTok, int kNarrowTok>
+template <int S, int kMaxTok, int kNarrowTok, bool kTma = false>
 struct WspShape {
   static constexpr int kSlabs = S;
   static constexpr int kGroups = 4;                        // consumer warpgroups
@@ -850,10 +853,17 @@ struct WspShape {
   static constexpr int kStageRowBytes = 64 * kSlabs * 2 + 16;                 // a warpgroup's staging row
   static constexpr int kStagingBytes = kMaxTokens * kStageRowBytes;          // per warpgroup
   static constexpr int kStageBytes = kActBytes + kCodeBytes + kScaleBytes;
-  static constexpr int kFree = 227 * 1024 - 1024 - kGroups * kStagingBytes - 256;  // beside the staging
+  // kTmaScales: the producer takes the rows' scale words from windows of kWindowGroups words a row
+  // (16 bytes) that TMA boxes bring into two buffers (kWindowBytes each, after the staging) instead
+  // of one load per row and stage (wsp_produce_tma).
+  static constexpr bool kTmaScales = kTma;
+  static constexpr int kWindowGroups = 8;                                    // 16-bit words a row
+  static constexpr int kWindowBytes = kTma ? kRowsCta * kWindowGroups * 2 : 0;
+  static constexpr int kFree = 227 * 1024 - 1024 - kGroups * kStagingBytes - 256 - 2 * kWindowBytes - 128;
   static constexpr int kStages = kFree / kStageBytes < 6 ? kFree / kStageBytes : 6;
   static constexpr int kRingBytes = kStages * kStageBytes;
-  static constexpr int kSmem = kRingBytes + kGroups * kStagingBytes + 1024;
+  static constexpr int kWindowOffset = (kRingBytes + kGroups * kStagingBytes + 127) / 128 * 128;  // from base
+  static constexpr int kSmem = (kTma ? kWindowOffset + 2 * kWindowBytes : kRingBytes + kGroups * kStagingBytes) + 1024;
   // setmaxnreg from the launch's 96: 32 x 128 + 112 x 512 = 96 x 640. At 104 the two-slab
   // consumer's wgmmas are on the edge of serialization (C7512), which small changes elsewhere
   // in the kernel tip; the producer fits 32 with a scale ring two stages deep.
@@ -887,6 +897,8 @@ __device__ __forceinline__ uint32_t wsp_packed(uint32_t p) {
 
 using WspTwoSlabs = WspShape<2, 48, 32>;   // HUMMING_JAX_PREFILL_RS4_WS=3
 using WspOneSlab = WspShape<1, 128, 64>;   // HUMMING_JAX_PREFILL_RS4_WS=4
+using WspTwoSlabsTma = WspShape<2, 48, 32, true>;  // the same with TMA scales (uint4)
+using WspOneSlabTma = WspShape<1, 128, 64, true>;
 
 // The work items: item i of `count` tile-list entries x nb blocks of N is block i % nb of entry i / nb.
 struct WspItem {
@@ -901,6 +913,31 @@ __device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int
 // run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
 // tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
 // Sh::kScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
+// One stage's scale words of the producer thread p's rows (p + 128 q: word(q)) into the slot at
+// sc_s, in the packed layout (pk: wsp_packed of p); for e2m1 with precomputed factors (wsp_pre),
+// also the rows' first factors and the warp's flag word.
+template <Codes C, typename Sh, typename Word>
+__device__ __forceinline__ void wsp_store_words(uint32_t sc_s, uint32_t pk, int p, Word word) {
+  [[maybe_unused]] uint32_t two = 0;  // e2m1 with precomputed factors only
+#pragma unroll
+  for (int q = 0; q < Sh::kScaleWords; ++q) {
+    const uint32_t sw = word(q), row = pk + 128u * q;  // row p + 128 q's packed index
+    sts16(sc_s + row * 2, sw);
+    if constexpr (wsp_pre<C, Sh>) {
+      // fp4_factors' first factor of each 32-k group's e8m0 byte, as the consumers would
+      // compute it, and whether the second is needed.
+      const uint32_t lo = sw & 0xffu, hi = (sw >> 8) & 0xffu;
+      auto f1 = [](uint32_t e) { return e <= 128u ? (e + 126u) << 7 : (e == 255u ? 0x7fc0u : 0x7f00u); };
+      sts32(sc_s + Sh::kRawBytes + row * 4, f1(lo) | (f1(hi) << 16));
+      two |= static_cast<uint32_t>((lo > 128u && lo != 255u) || (hi > 128u && hi != 255u));
+    }
+  }
+  if constexpr (wsp_pre<C, Sh>) {
+    const uint32_t any = __any_sync(0xffffffffu, two != 0u);
+    if ((p & 31) == 0) sts32(sc_s + Sh::kRawBytes + Sh::kFacBytes + (p >> 5) * 4, any);
+  }
+}
+
 template <Codes C, typename Sh>
 __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
   constexpr int kWords = Sh::kScaleWords;
@@ -936,25 +973,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
           tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
         tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
       }
-      const uint32_t sc_s = sc0 + slot * Sh::kScaleBytes;
-      [[maybe_unused]] uint32_t two = 0;  // e2m1 with precomputed factors only
-#pragma unroll
-      for (int q = 0; q < kWords; ++q) {
-        const uint32_t sw = ring[J][q], row = pk + 128u * q;  // row p + 128 q's packed index
-        sts16(sc_s + row * 2, sw);
-        if constexpr (wsp_pre<C, Sh>) {
-          // fp4_factors' first factor of each 32-k group's e8m0 byte, as the consumers would
-          // compute it, and whether the second is needed.
-          const uint32_t lo = sw & 0xffu, hi = (sw >> 8) & 0xffu;
-          auto f1 = [](uint32_t e) { return e <= 128u ? (e + 126u) << 7 : (e == 255u ? 0x7fc0u : 0x7f00u); };
-          sts32(sc_s + Sh::kRawBytes + row * 4, f1(lo) | (f1(hi) << 16));
-          two |= static_cast<uint32_t>((lo > 128u && lo != 255u) || (hi > 128u && hi != 255u));
-        }
-      }
-      if constexpr (wsp_pre<C, Sh>) {
-        const uint32_t any = __any_sync(0xffffffffu, two != 0u);
-        if ((p & 31) == 0) sts32(sc_s + Sh::kRawBytes + Sh::kFacBytes + (p >> 5) * 4, any);
-      }
+      wsp_store_words<C, Sh>(sc0 + slot * Sh::kScaleBytes, pk, p, [&](int q) { return ring[J][q]; });
       mbar_arrive(full);  // release: the scale words above are visible to the waiters
       // The words of stage kt + kAhead: uint4 groups of several 64-k tiles (tpg > 1) repeat the
       // words of the stage before, which ring[J ^ 1] holds (loaded a stage ago): copied instead of
@@ -980,6 +999,82 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
     for (int kt = 0; kt < KT; kt += 2) {
       stage(kt, std::integral_constant<int, 0>{});
       if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
+    }
+  }
+}
+
+// The producer warpgroup with TMA scales (Sh::kTmaScales): as wsp_produce, but each stage's scale words come
+// from shared memory, where TMA boxes (16 bytes x 256 rows, [row][8] 16-bit words: uint4, 8 groups' bf16
+// scales; e2m1, the e8m0 byte pairs of 8 stages) bring an item's scales a window of Sh::kWindowGroups words a
+// row at a time, instead of one global request per row and stage (benchmarks/NOTES.md, v24: the L2's tag
+// lookups). A stage's word: uint4, its group (div_tpg); e2m1, the stage itself. Windows alternate between two
+// buffers, counted over the CTA's items by v; at a window's first stage thread 0 loads the next window of the
+// item into the other buffer, after a named barrier among the 128 producer threads (every one is past its
+// last read of that buffer, the window before), and all wait on the window's own load.
+template <Codes C, typename Sh>
+__device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t base, uint32_t bar_full,
+                                                uint32_t bar_empty, uint32_t bar_win) {
+  static_assert(Sh::kTmaScales && Sh::kRowsCta % 256 == 0, "TMA scales in boxes of 256 rows");
+  constexpr int kBoxes = Sh::kRowsCta / 256, kWg = Sh::kWindowGroups;
+  const Params4& P = W.P;
+  const int p = static_cast<int>(threadIdx.x) - 128 * Sh::kGroups;
+  const int N = P.N, K = P.K, KT = K / kBK;
+  const int nb = (N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
+  const uint32_t win0 = base + Sh::kWindowOffset;
+  const uint32_t pk = wsp_packed<Sh::kSlabs>(static_cast<uint32_t>(p));
+  // The word of stage kt: uint4, its group; e2m1, the stage's two 32-k groups' bytes.
+  auto word_of = [&](int kt) {
+    return C == Codes::kE2M1 ? kt : static_cast<int>(P.div_tpg.div(static_cast<uint32_t>(kt)));
+  };
+  const int windows = word_of(KT - 1) / kWg + 1;  // an item's
+  uint32_t slot = 0, phase = 0, next_v = 0;
+  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
+    const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
+    const CUtensorMap* act_map = &W.act[bn / 16 - 1];
+    const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
+    auto load_window = [&](int w, uint32_t buf) {
+      const uint32_t bar = bar_win + 8 * buf;
+      mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sh::kWindowBytes));
+#pragma unroll
+      for (int b = 0; b < kBoxes; ++b)
+        tma_load_3d(win0 + buf * Sh::kWindowBytes + b * (256 * kWg * 2), &W.scales, w * kWg * (C == Codes::kE2M1 ? 2 : 1),
+                    it.n0 + 256 * b, it.e, bar);
+    };
+    int w_cur = -1;
+    uint32_t v = 0;
+    for (int kt = 0; kt < KT; ++kt) {
+      const int g = word_of(kt);
+      const int w = g / kWg;
+      if (w != w_cur) {  // the window's first stage (the same kt for every producer thread)
+        v = next_v++;
+        asm volatile("bar.sync 5, 128;\n" ::: "memory");
+        if (p == 0) {
+          if (w == 0) load_window(0, v & 1u);
+          if (w + 1 < windows) load_window(w + 1, (v + 1) & 1u);
+        }
+        mbar_wait(bar_win + 8 * (v & 1u), (v >> 1) & 1u);
+        w_cur = w;
+      }
+      const uint32_t full = bar_full + 8 * slot;
+      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
+      if (p == 0) {
+        mbar_arrive_expect_tx(full, tx);
+        const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
+#pragma unroll
+        for (int b = 0; b < kBoxes; ++b)
+          tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
+        tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
+      }
+      const uint32_t words = win0 + (v & 1u) * Sh::kWindowBytes + static_cast<uint32_t>(g % kWg) * 2;
+      wsp_store_words<C, Sh>(sc0 + slot * Sh::kScaleBytes, pk, p,
+                             [&](int q) { return lds16(words + static_cast<uint32_t>(p + 128 * q) * (kWg * 2)); });
+      mbar_arrive(full);  // release: the scale words above are visible to the waiters
+      if (++slot == Sh::kStages) {
+        slot = 0;
+        phase ^= 1u;
+      }
     }
   }
 }
@@ -1042,21 +1137,31 @@ __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
   const Params4& P = W.P;
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * Sh::kStages];  // full[kStages], empty[kStages]
+  __shared__ __align__(8) uint64_t bars[2 * Sh::kStages + 2];  // full[kStages], empty[kStages], window[2]
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;  // the 128-byte swizzle's 1024-byte atoms
   uint8_t* staging = smem_raw + (base - smem_addr(smem_raw)) + Sh::kRingBytes;
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[Sh::kStages]);
+  const uint32_t bar_win = smem_addr(&bars[2 * Sh::kStages]);
   if (threadIdx.x == 0) {
     for (int s = 0; s < Sh::kStages; ++s) {
       mbar_init(bar_full + 8 * s, Sh::kFullArrivals);
       mbar_init(bar_empty + 8 * s, Sh::kEmptyArrivals);
+    }
+    if constexpr (Sh::kTmaScales) {
+      mbar_init(bar_win, 1);
+      mbar_init(bar_win + 8, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (threadIdx.x >= 128 * Sh::kGroups) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Sh::kProducerRegs));
-    wsp_produce<C, Sh>(W, base, bar_full, bar_empty);
+    if constexpr (Sh::kTmaScales) {
+      wsp_produce_tma<C, Sh>(W, base, bar_full, bar_empty, bar_win);
+    } else {
+      (void)bar_win;
+      wsp_produce<C, Sh>(W, base, bar_full, bar_empty);
+    }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Sh::kConsumerRegs));
@@ -1228,13 +1333,26 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     // The persistent form's codes boxes hold 256 rows (a box dimension holds at most 256).
     const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, persistent ? 256 : rows_cta);
     if (!e.empty()) return e;
+    // A persistent form takes the scales by TMA (WspShape::kTmaScales) where a row's scales span
+    // whole 16 bytes (uint4: scale_cols % 8 == 0; e2m1: K % 512 == 0) and the tensor is 16-byte
+    // aligned (the TMA's stride and address rules); HUMMING_JAX_PREFILL_RS4_TMA_SCALES=0 keeps the
+    // per-row loads (A/B).
+    const bool e2m1_codes = codes == Codes::kE2M1;
+    const int64_t scale_cols = e2m1_codes ? g.K / 32 : P.scale_cols;
+    const bool tma_scales = persistent && (e2m1_codes ? scale_cols % 16 == 0 : scale_cols % 8 == 0) &&
+                            reinterpret_cast<uintptr_t>(g.w_scale_raw) % 16 == 0 &&
+                            env_flag("HUMMING_JAX_PREFILL_RS4_TMA_SCALES", true);
+    if (tma_scales && !encode_rows_3d(&W.scales, e2m1_codes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                                      e2m1_codes ? 1 : 2, g.w_scale_raw, scale_cols, g.N, g.E, e2m1_codes ? 16 : 8, 256,
+                                      CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
+      return "cuTensorMapEncodeTiled failed for the scales";
     // The kernel's six forms (codes format x shape), each raising its limit once.
     auto launch = [&](auto kernel, dim3 grid_here, int threads, int smem, unsigned& configured) {
       if (!decode::raise_smem_limit_once(kernel, smem, true, configured)) return false;
       kernel<<<grid_here, threads, smem, stream>>>(W);
       return true;
     };
-    static unsigned configured[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    static unsigned configured[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     const bool e2m1 = codes == Codes::kE2M1;
     bool ok;
     if (persistent) {
@@ -1246,7 +1364,10 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
         return e2m1 ? launch(gemm4_wsp_kernel<Codes::kE2M1, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[0])
                     : launch(gemm4_wsp_kernel<Codes::kU4, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[1]);
       };
-      ok = form == 3 ? launch_p(WspTwoSlabs{}, configured + 4) : launch_p(WspOneSlab{}, configured + 6);
+      if (tma_scales)
+        ok = form == 3 ? launch_p(WspTwoSlabsTma{}, configured + 8) : launch_p(WspOneSlabTma{}, configured + 10);
+      else
+        ok = form == 3 ? launch_p(WspTwoSlabs{}, configured + 4) : launch_p(WspOneSlab{}, configured + 6);
     } else if (ws_slabs == 1) {
       ok = e2m1 ? launch(gemm4_ws_kernel<Codes::kE2M1, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[0])
                 : launch(gemm4_ws_kernel<Codes::kU4, 1>, grid, kWsThreads, WsShape<1>::kSmem, configured[1]);

@@ -114,6 +114,9 @@ def rs4_many_items():
     running on across them."""
     for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
         prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64))
+    # K = 2048: the persistent forms' scales by TMA, two windows an item (uint4) or four (e2m1).
+    for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
+        prefill_grouped(scheme, 2400, e=64, n=512, k=2048, topk=4, experts=range(64))
 
 
 def wsp_many_items():

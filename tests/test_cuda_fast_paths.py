@@ -344,6 +344,10 @@ FP4_CASES = [
     (2048, 2, 8, 768, 512, "uniform", True),  # 512 rows per expert
     (1024, 4, 16, 264, 384, "tail", False),  # 256 rows per expert with rows past off[E]
     (1024, 1, 8, 256, 1152, "one_expert", True),  # 1024 rows on one expert, none on the rest
+    # K a multiple of 512 (64 / 48 scale bytes a row): the persistent forms take the scales by TMA in
+    # windows of 8 stages (four windows; three, several items per CTA), rows past N in the last box.
+    (128, 2, 8, 264, 2048, "tail", False),
+    (1024, 8, 64, 384, 1536, "zero_rows", True),
 ]
 
 
@@ -360,6 +364,11 @@ U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, 
     # tiles of at most 48 rows x one 512-row block; 128 of at most 128 x two 256-row blocks), so
     # their CTAs take several, the ring running on across them; 7 k tiles
     (2400, 4, 64, 512, 448, "uniform", True, 64),
+    # Scale columns a multiple of 8 (16, 24): the persistent forms take the scales by TMA in windows
+    # of 8 groups (two windows of two stages' groups; three of one, several items per CTA), rows
+    # past N in the last 256-row box.
+    (128, 2, 8, 264, 2048, "tail", False, 128),
+    (1024, 8, 64, 384, 1536, "zero_rows", True, 64),
 ]
 
 
@@ -416,10 +425,15 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
     what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
     plain, _ = _prefill_once_matches_cpu(p, what, "4-bit prefill")
-    for form in ("1", "2", "3", "4"):  # one / two weight slabs per warpgroup; persistent, two / one
+    # One / two weight slabs per warpgroup; persistent, two / one, with the scales by TMA where their
+    # rows span whole 16 bytes, and again with HUMMING_JAX_PREFILL_RS4_TMA_SCALES=0 (per-row loads).
+    for form, tma in (("1", None), ("2", None), ("3", None), ("4", None), ("3", "0"), ("4", "0")):
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, form)
-        got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {form}", "4-bit prefill")
-        np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {form} differs")
+        if tma is not None:
+            monkeypatch.setenv("HUMMING_JAX_PREFILL_RS4_TMA_SCALES", tma)
+        label = f"{form}" + ("" if tma is None else " without TMA scales")
+        got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {label}", "4-bit prefill")
+        np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {label} differs")
 
 
 _RS4_TWO_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4TwoSlabLaunches") if GPU is not None else None

@@ -45,6 +45,12 @@ int64_t min_rows_per_expert() {
   return n > 0 ? n : kMinRowsPerExpert;
 }
 
+// The same for the kinds on our 4-bit mainloop: kRs4MinRowsPerExpert, or the switch's n.
+int64_t rs4_min_rows_per_expert() {
+  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", kRs4MinRowsPerExpert, kRs4MinRowsPerExpert);
+  return n > 0 ? n : kRs4MinRowsPerExpert;
+}
+
 // HUMMING_JAX_PREFILL_U4RS: unset, kU4RsMaxRowsPerExpert; 0, the uint4 calls of our 4-bit mainloop
 // stay on the CUTLASS mixed-input kinds; n > 0, the mainloop's upper bound (rows per expert).
 int64_t u4rs_max_rows_per_expert() {
@@ -179,37 +185,40 @@ bool current_device(DeviceInfo* info) {
 
 namespace {
 // uint4 codes centred on 8 (no zero points, no second scale) with bf16 scales per 1 x group_k,
-// bf16 activations and output, from kMinRowsPerExpert rows per expert: the mixed-input kinds. Below
+// bf16 activations and output, from min_rows rows per expert: the mixed-input kinds (min_rows:
+// min_rows_per_expert(); rs4_min_rows_per_expert() where our 4-bit mainloop asks). Below
 // quant_decode_rows_per_expert(kUInt4) rows per expert they take these calls from the decode kernel,
 // which streams the codes once per 32-row item, and above it from the dequantizing path (at
 // 1024-4096 rows per expert the 256-token kind measured 1.01-1.19x faster, benchmarks/NOTES.md, v9).
 // Rows of codes 16-byte aligned (K % 32) and N % 8 (TMA: scale and output rows of 16 bytes).
-bool mixed_input_fits(const GemmProblem& p, int64_t R) {
+bool mixed_input_fits(const GemmProblem& p, int64_t R, int64_t min_rows) {
   const WeightView& w = p.w;
   return w.type == WeightType::kUInt4 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kBF16 && w.scale != nullptr && w.group_n == 1 &&
          (w.group_k % kMixedTileK == 0 || w.group_k >= p.K) && p.a.type == ElemType::kBF16 &&
-         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= min_rows_per_expert() * w.E &&
+         p.c_type == ElemType::kBF16 && p.K % 32 == 0 && p.N % 8 == 0 && R >= min_rows * w.E &&
          w.E * p.N * ((w.scale_cols() + 7) / 8) < (int64_t{1} << 31);
 }
 
 // MXFP4 weights (e2m1 codes, e8m0 scales per 1 x 32, nothing else) with bf16 activations and
-// output, kMinRowsPerExpert to below kFp4MaxRowsPerExpert rows per expert: the MXFP4 kind. K a
+// output, kRs4MinRowsPerExpert to below kFp4MaxRowsPerExpert rows per expert: the MXFP4 kind. K a
 // multiple of their 64-k tile, N of 8 (16-byte output chunks), the tile list within a grid column.
 bool fp4_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
   return w.type == WeightType::kFp4E2M1 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kE8M0 && w.scale != nullptr && w.group_n == 1 && w.group_k == 32 &&
          p.a.type == ElemType::kBF16 && !p.a.quantized() && p.c_type == ElemType::kBF16 && p.K % 64 == 0 &&
-         p.N % 8 == 0 && R >= min_rows_per_expert() * w.E && R < kFp4MaxRowsPerExpert * w.E &&
+         p.N % 8 == 0 && R >= rs4_min_rows_per_expert() * w.E && R < kFp4MaxRowsPerExpert * w.E &&
          (R + 63) / 64 + w.E + 1 <= 65535;
 }
 
 // The uint4 calls of mixed_input_fits whose scale groups are whole 64-k tiles (or span K), K a
-// multiple of 64, up to below u4rs_max_rows_per_expert() rows per expert: our 4-bit mainloop.
+// multiple of 64, from kRs4MinRowsPerExpert up to below u4rs_max_rows_per_expert() rows per expert:
+// our 4-bit mainloop.
 bool u4rs_fits(const GemmProblem& p, int64_t R) {
-  return mixed_input_fits(p, R) && p.K % 64 == 0 && (p.w.group_k % 64 == 0 || p.w.group_k >= p.K) &&
-         R < u4rs_max_rows_per_expert() * p.w.E && (R + 63) / 64 + p.w.E + 1 <= 65535;
+  return mixed_input_fits(p, R, rs4_min_rows_per_expert()) && p.K % 64 == 0 &&
+         (p.w.group_k % 64 == 0 || p.w.group_k >= p.K) && R < u4rs_max_rows_per_expert() * p.w.E &&
+         (R + 63) / 64 + p.w.E + 1 <= 65535;
 }
 
 Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool allow_rs4, WspForm* form) {
@@ -219,12 +228,16 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
   if (E <= 0 || E > kMaxExperts || R <= 0 || R > INT32_MAX || N <= 0 || N > INT32_MAX || K <= 0 ||
       K > INT32_MAX)
     return Kind::kNone;
-  // Expected rows per expert, from shapes only (the routing itself stays on the device).
-  if (R < min_rows_per_expert() * E) return Kind::kNone;
+  // Expected rows per expert, from shapes only (the routing itself stays on the device): our 4-bit
+  // mainloop from rs4_min_rows_per_expert(), every other kind from min_rows_per_expert().
+  if (R < std::min(min_rows_per_expert(), rs4_min_rows_per_expert()) * E) return Kind::kNone;
   // TMA: 16-byte aligned rows and base addresses for A, B and D (and 16-byte bias vectors).
   if (N % 8 || K % 8) return Kind::kNone;
   if (!aligned_to(p.a.data, 16) || !aligned_to(w.data, 16) || !aligned_to(p.c, 16)) return Kind::kNone;
   if (w.bias && !aligned_to(w.bias, 16)) return Kind::kNone;
+  if (allow_rs4 && !fp4_disabled_by_env() && fp4_fits(p, R)) return Kind::kFp4Bf16;
+  if (allow_rs4 && !mixed_disabled_by_env() && u4rs_fits(p, R)) return Kind::kU4Bf16Rs;
+  if (R < min_rows_per_expert() * E) return Kind::kNone;
   if (w.type == WeightType::kFloat) {
     if (p.a.quantized() || w.data_type != p.a.type || p.c_type != p.a.type) return Kind::kNone;
     if (p.a.type == ElemType::kBF16) {
@@ -236,9 +249,7 @@ Kind choose_wide(const GemmProblem& p, int64_t R, const DeviceInfo& dev, bool al
     if (p.a.type == ElemType::kF16) return Kind::kF16;
     return Kind::kNone;
   }
-  if (allow_rs4 && !fp4_disabled_by_env() && fp4_fits(p, R)) return Kind::kFp4Bf16;
-  if (allow_rs4 && !mixed_disabled_by_env() && u4rs_fits(p, R)) return Kind::kU4Bf16Rs;
-  if (!mixed_disabled_by_env() && mixed_input_fits(p, R)) return Kind::kU4Bf16;
+  if (!mixed_disabled_by_env() && mixed_input_fits(p, R, min_rows_per_expert())) return Kind::kU4Bf16;
   // Quantized weights, 16-bit activations: dequantized chunks through the 16-bit kernel.
   if (!p.a.quantized() && p.c_type == p.a.type && (w.group_k % 8 == 0 || w.group_k >= K) && w.group_n >= 1) {
     if (p.a.type == ElemType::kBF16) return Kind::kBf16;

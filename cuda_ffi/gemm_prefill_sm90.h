@@ -46,11 +46,11 @@ enum class Kind : int {
   // MXFP4 (e2m1 codes, e8m0 scales per 1 x 32) x bf16 activations -> bf16 on our own mainloop
   // (gemm_prefill_sm90_4bit.cu): the codes converted and scaled in registers into register-sourced
   // wgmma, tiles of 128 weight rows x up to 128 tokens (the tile's rows rounded up to 16); from
-  // kMinRowsPerExpert up to below kFp4MaxRowsPerExpert rows per expert on average.
+  // kRs4MinRowsPerExpert up to below kFp4MaxRowsPerExpert rows per expert on average.
   // HUMMING_JAX_PREFILL_FP4=0 gives these calls back to the decode kernel and the dequantizing path.
   kFp4Bf16 = 10,
   // The same mainloop for the uint4 calls of kU4Bf16 whose scale groups are whole 64-k tiles (or
-  // span K) and K % 64 == 0, from kMinRowsPerExpert up to below kU4RsMaxRowsPerExpert rows per
+  // span K) and K % 64 == 0, from kRs4MinRowsPerExpert up to below kU4RsMaxRowsPerExpert rows per
   // expert. HUMMING_JAX_PREFILL_U4RS=0 gives them back to the CUTLASS mixed-input kinds;
   // HUMMING_JAX_PREFILL_U4RS=<n> moves the upper bound to n rows per expert (for A/B timing).
   kU4Bf16Rs = 11,
@@ -114,6 +114,11 @@ constexpr int64_t kTallRowsPerExpertMixed = 256;
 // measured points, the crossover itself is not measured yet.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
 constexpr int64_t kU4RsMaxRowsPerExpert = 192;
+// ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): at 16
+// rows per expert the mainloop's persistent forms streamed the weights 1.3-1.5x faster than the
+// decode kernel (deepseek and mixtral shapes, int4 and mxfp4), at 8 as fast, at 4 slower
+// (benchmarks/NOTES.md, v25). HUMMING_JAX_PREFILL_MIN_ROWS=n > 0 replaces both bounds.
+constexpr int64_t kRs4MinRowsPerExpert = 16;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {

@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -1233,25 +1234,32 @@ size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
 
 namespace {
 
-// The work items' share of whole rounds over the SMs (1: the last round full).
-double round_fill(int64_t items, int sms) {
+// The time of `items` equal work items on `sms` persistent CTAs, in rounds: the whole rounds plus the
+// last, partial one as the fourth root of its fill. Fewer SMs streaming go faster each, but far from in
+// proportion: the root fits the persistent forms' per-GEMM times on the H100 (benchmarks/NOTES.md,
+// v25: a last round 39% / 48% full cost 0.79 / 0.83 of a full one).
+double rounds_cost(int64_t items, int sms) {
   const int64_t slots = std::max(sms, 1);
-  return items <= 0 ? 0.0 : static_cast<double>(items) / static_cast<double>((items + slots - 1) / slots * slots);
+  if (items <= 0) return 0.0;
+  const double part = static_cast<double>(items % slots) / static_cast<double>(slots);
+  return static_cast<double>(items / slots) + std::sqrt(std::sqrt(part));
 }
 
-// The form up to kWsRowsPerExpert rows per expert on average: a persistent one (benchmarks/NOTES.md,
-// v24, per-GEMM times on the H100 at 32 and 48 rows per expert: one slab and 128-token tiles, form
-// 4, 0.86-0.99x the two-CTA form's time, but 1.01x and 1.03x at two GEMMs of K >= 4096). Two slabs
-// and 48-token tiles (form 3) took 0.87-0.93x form 4's time where K <= 2048 and its items (twice
-// the rows, half as many) filled their last round over the SMs as well as form 4's (qwen3 both
-// GEMMs, int4 and mxfp4, at 32 rows per expert); elsewhere 0.96-1.62x (K of 4096-14336, a
-// half-empty round, or 48 rows per expert, where experts take two of its tiles).
+// The form up to kWsRowsPerExpert rows per expert on average: a persistent one. Two slabs and
+// 48-token tiles (form 3, items of 512 weight rows) stream a weight row in kTwoSlabCost of the time
+// one slab and 128-token tiles take (form 4, items of 256 rows) where both fill their rounds (H100,
+// v25: 0.86-0.89 at deepseek's GEMM1, K = 7168; v24, qwen3: 0.87-0.89), but their items are half as
+// many: form 3 where its rounds, each twice as long, cost less, and only up to 32 rows per expert
+// (at 48, v24: 1.1-1.7x form 4's time). The model put form 3 at 0.88 / 0.96 / 1.47x form 4's time at
+// deepseek GEMM1 / mixtral GEMM1 / mixtral GEMM2 (its 64 items on 132 SMs); measured 0.86-0.89 /
+// 0.95 / 1.46-1.49.
+constexpr double kTwoSlabCost = 0.875;
 int ws_form(const GroupedArgs& g, int sms) {
   const int64_t e = std::max<int64_t>(g.E, 1);
-  if (g.R > 32 * e || g.K > 2048) return 4;
-  const double f3 = round_fill((g.N + WspTwoSlabs::kRowsCta - 1) / WspTwoSlabs::kRowsCta * e, sms);
-  const double f4 = round_fill((g.N + WspOneSlab::kRowsCta - 1) / WspOneSlab::kRowsCta * e, sms);
-  return f3 >= 0.95 * f4 ? 3 : 4;
+  if (g.R > 32 * e) return 4;
+  const int64_t items3 = (g.N + WspTwoSlabs::kRowsCta - 1) / WspTwoSlabs::kRowsCta * e;
+  const int64_t items4 = (g.N + WspOneSlab::kRowsCta - 1) / WspOneSlab::kRowsCta * e;
+  return 2.0 * kTwoSlabCost * rounds_cost(items3, sms) <= rounds_cost(items4, sms) ? 3 : 4;
 }
 
 }  // namespace

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from .experts import EXPERT_CLASSES, FusedMoEExperts
-from .ops.gemm import MIN_ROWS_PER_EXPERT
-from .quant_keys import QuantKey
+from .ops.gemm import MIN_ROWS_PER_EXPERT, RS4_MIN_ROWS_PER_EXPERT
+from .quant_keys import GroupShape, QuantKey
 
 ENV_GEMM_TYPE = "HUMMING_JAX_MOE_GEMM_TYPE"
 _STANDARD_CHOICES = ("indexed", "grouped", "auto")
@@ -15,6 +15,28 @@ _STANDARD_CHOICES = ("indexed", "grouped", "auto")
 # grouped GEMM runs the tiled wgmma kernel on Hopper (the kernel's own threshold), while fewer rows
 # per expert stream weights best through the indexed class.
 GROUPED_MIN_ROWS_PER_EXPERT = MIN_ROWS_PER_EXPERT
+# Weights our 4-bit mainloop takes with 16-bit activations (MXFP4; symmetric int4 with bf16 scales
+# per whole 64-k groups or per row) run the grouped GEMM from RS4_MIN_ROWS_PER_EXPERT on: there its
+# persistent forms stream the weights 1.3-1.5x faster than the indexed class's decode kernel
+# (benchmarks/NOTES.md, v25).
+GROUPED_MIN_ROWS_PER_EXPERT_4BIT = RS4_MIN_ROWS_PER_EXPERT
+
+
+def _rs4_weights(weight_key: QuantKey | None, act_key: QuantKey | None) -> bool:
+    """Whether the layer's weights are a format the 4-bit mainloop takes (with 16-bit activations;
+    the kernel takes bf16 ones, fp16 layers then run the decode kernel inside the grouped class)."""
+    if weight_key is None or act_key is not None or weight_key.scale is None or weight_key.scale2 is not None:
+        return False
+    group = weight_key.scale.group_shape
+    if weight_key.dtype == "float4_e2m1fn":
+        return weight_key.scale.dtype == "float8_e8m0fnu" and group == GroupShape(1, 32)
+    return (weight_key.dtype == "int4" and weight_key.symmetric and weight_key.scale.dtype == "bfloat16"
+            and (group == GroupShape.PER_CHANNEL or (group.row == 1 and (group.col <= 0 or group.col % 64 == 0))))
+
+
+def grouped_min_rows_per_expert(weight_key: QuantKey | None, act_key: QuantKey | None) -> int:
+    """Expected rows per local expert from which auto selection prefers the grouped class."""
+    return GROUPED_MIN_ROWS_PER_EXPERT_4BIT if _rs4_weights(weight_key, act_key) else GROUPED_MIN_ROWS_PER_EXPERT
 
 
 def _standard_preference(prefer: str | None) -> str:
@@ -45,7 +67,8 @@ def select_experts(
     "batched"). For the standard format an explicit ``prefer`` ("indexed" | "grouped" | "auto")
     wins, else ``$HUMMING_JAX_MOE_GEMM_TYPE``, else auto: the first supporting class in the order
     indexed, grouped, or grouped, indexed when ``rows_per_expert`` (the expected routed rows per
-    local expert, M * top_k / E) is at least ``GROUPED_MIN_ROWS_PER_EXPERT``. A named class that
+    local expert, M * top_k / E) is at least ``grouped_min_rows_per_expert(weight_key, act_key)``
+    (``GROUPED_MIN_ROWS_PER_EXPERT``; for 4-bit weights the 4-bit mainloop takes, 16). A named class that
     cannot run the layer is an error, never a fallback; when nothing fits, the error says why each
     candidate was rejected.
     """
@@ -60,7 +83,7 @@ def select_experts(
         choice = _standard_preference(prefer)
     if choice != "auto":
         candidates = [c for c in candidates if c.gemm_type == choice]
-    elif not batched and rows_per_expert is not None and rows_per_expert >= GROUPED_MIN_ROWS_PER_EXPERT:
+    elif not batched and rows_per_expert is not None and rows_per_expert >= grouped_min_rows_per_expert(weight_key, act_key):
         candidates.sort(key=lambda c: c.gemm_type != "grouped")
     rejected = []
     for cls in candidates:

@@ -79,9 +79,9 @@ def _assert_close(got, want, dtype, what, tol=None):
 # kMinRowsPerExpert = 32 rows per local expert on average (64-row pingpong tiles below 64 rows per
 # expert for 16-bit kinds and 128 for fp8, 128-row cooperative tiles from there); uint4 codes
 # without zero points with bf16 group scales and bf16 activations from 32 rows per expert on the
-# mixed-input kernels (128-token tiles below 256 rows, 256-token tiles from 256; below 128 rows our
-# 4-bit mainloop when the groups are whole 64-k tiles), mxfp4 with bf16 activations from 32 up to 767
-# rows per expert on our 4-bit mainloop, other quantized
+# mixed-input kernels (128-token tiles below 256 rows, 256-token tiles from 256; from 16 up to below
+# 192 rows our 4-bit mainloop when the groups are whole 64-k tiles), mxfp4 with bf16 activations from
+# 16 up to 767 rows per expert on our 4-bit mainloop, other quantized
 # weights with 16-bit activations dequantized first, from 64 rows per expert for 8-bit codes and
 # from 128 for 4-bit ones;
 # HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 (HUMMING_JAX_PREFILL_FP4=0) gives the
@@ -335,7 +335,9 @@ FP4_CASES = [
     # M tokens, top-k, E, N, K, routing, bias. Tiles of 128 weight rows x an expert's rows split
     # into near-equal parts of at most 128 (wgmma N: the part's rows rounded up to 16).
     (256, 2, 8, 384, 512, "uniform", True),  # 64 rows per expert
-    (128, 2, 8, 384, 512, "uniform", False),  # 32, the least the kind takes (else the decode kernel's)
+    (128, 2, 8, 384, 512, "uniform", False),  # 32
+    (64, 2, 8, 384, 512, "uniform", False),  # 16, the least the kind takes (else the decode kernel's)
+    (96, 2, 8, 264, 2048, "tail", True),  # 24: the persistent forms below the other kinds' bound
     (192, 2, 8, 264, 384, "tail", True),  # 48; N not a multiple of the tile; rows past off[E]
     (512, 8, 64, 384, 640, "zero_rows", True),  # 64 on average, ~190 on the used experts: several tiles each
     (256, 2, 8, 200, 192, "uniform", False),  # K = 3 tiles (an odd count), N = 200
@@ -354,6 +356,8 @@ FP4_CASES = [
 U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, N, K, routing, bias, group_k)
     (256, 2, 8, 384, 512, "uniform", True, 128),  # 64 rows per expert
     (128, 2, 8, 384, 512, "uniform", False, 128),  # 32
+    (64, 2, 8, 384, 512, "uniform", False, 128),  # 16, the least the kind takes (else the decode kernel's)
+    (96, 2, 8, 264, 2048, "tail", True, 128),  # 24: below the mixed-input kinds' bound
     (192, 2, 8, 264, 384, "tail", True, 128),  # 48; N not a multiple of the tile; rows past off[E]
     (512, 8, 64, 384, 640, "zero_rows", True, 128),  # ~190 on the used experts: several tiles each
     (256, 2, 8, 200, 192, "uniform", False, 192),  # one group spanning K (3 tiles)
@@ -383,7 +387,7 @@ def _rs4_params():
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch, scheme, m, k, e, n, kdim, kind,
                                                               bias, group_k):
-    """MXFP4 weights (32-767 rows per expert) and uint4 ones (32-191) with bf16 activations: our
+    """MXFP4 weights (16-767 rows per expert) and uint4 ones (16-191) with bf16 activations: our
     4-bit mainloop runs (one launch, no dequantization buffer or transposed scales), equal to the
     CPU, rows past off[E] zero; and equal up to accumulation order to the path taken without it
     (HUMMING_JAX_PREFILL_FP4=0: the decode kernel or the dequantizing path; HUMMING_JAX_PREFILL_U4RS=0:
@@ -403,7 +407,9 @@ def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch,
         assert last < got.shape[0], "the tail case must leave rows past off[E]"
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS if int4 else gemm_ops.ENV_PREFILL_FP4, "0")
     assert gemm_ops.rs4_workspace_bytes(rows, p["w"], jnp.bfloat16, False) == 0
-    prefill = int4 or rows >= gemm_ops.dequant_min_rows_per_expert(p["w"]) * e  # else the decode kernel
+    # int4: the mixed-input kinds from MIN_ROWS_PER_EXPERT; mxfp4: the dequantizing path from its bound;
+    # else the decode kernel.
+    prefill = rows >= (gemm_ops.MIN_ROWS_PER_EXPERT if int4 else gemm_ops.dequant_min_rows_per_expert(p["w"])) * e
     with _LaunchCount(_PREFILL_LAUNCHES) as other:
         again = _run_gemm(GPU, p)
     assert other.count == int(prefill), "the switch must give the call back"
@@ -442,26 +448,28 @@ _RS4_ONE_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4OneSlabLaunches") if G
 
 def _rs4_rule_form(rows, e, n, kdim, sms):
     """The 4-bit mainloop's default form (cuda_ffi/gemm_prefill_sm90_4bit.cu, ws_form), restated:
-    0 the plain mainloop above 48 rows per expert; 3 (two slabs, 48-token tiles) up to 32 rows per
-    expert with K <= 2048 where its items fill their last round over the SMs within 5% as well as
-    form 4's; else 4 (one slab, 128-token tiles)."""
+    0 the plain mainloop above 48 rows per expert; 3 (two slabs, 48-token tiles: items of 512 weight
+    rows) up to 32 rows per expert where 2 x 0.875 of its rounds cost no more than form 4's (items
+    of 256 rows), a last partial round costing the fourth root of its fill; else 4."""
     if rows > 48 * e:
         return 0
-    if rows > 32 * e or kdim > 2048:
+    if rows > 32 * e:
         return 4
 
-    def fill(items):
-        return items / (-(-items // sms) * sms)
+    def rounds(items):
+        return items // sms + (items % sms / sms) ** 0.25
 
-    return 3 if fill(-(-n // 512) * e) >= 0.95 * fill(-(-n // 256) * e) else 4
+    return 3 if 2 * 0.875 * rounds(-(-n // 512) * e) <= rounds(-(-n // 256) * e) else 4
 
 
 @requires_prefill
 @pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4"])
 @pytest.mark.parametrize("m,k,e,n,kdim", [
-    (512, 8, 128, 512, 256),  # 32 rows per expert, short K, 128 / 256 items: two slabs on 132 SMs
-    (512, 8, 128, 512, 2176),  # the same past K = 2048: one slab
+    (512, 8, 128, 512, 256),  # 32 rows per expert, 128 / 256 items: two slabs on 132 SMs
+    (512, 8, 128, 512, 2176),  # the same with a long K: two slabs
     (128, 2, 8, 1024, 256),  # 32 rows per expert, 16 / 32 items, both rounds far from full: one slab
+    (128, 8, 32, 4096, 512),  # 32 rows per expert, 256 / 512 items (deepseek GEMM1's): two slabs
+    (64, 2, 8, 4096, 512),  # 16 rows per expert, 64 / 128 items (mixtral GEMM2's): one slab
     (768, 8, 128, 512, 256),  # 48 rows per expert: one slab
     (1024, 8, 128, 512, 256),  # 64: the plain mainloop
 ])

@@ -143,6 +143,8 @@ def test_mixed_input_constants_match_the_cuda_sources():
 
 def test_min_rows_match_the_cuda_sources():
     assert cuda_constant("gemm_prefill_sm90.h", "kMinRowsPerExpert") == gemm_ops.MIN_ROWS_PER_EXPERT
+    assert cuda_constant("gemm_prefill_sm90.h", "kRs4MinRowsPerExpert") == gemm_ops.RS4_MIN_ROWS_PER_EXPERT
+    assert gemm_ops.RS4_MIN_ROWS_PER_EXPERT < gemm_ops.MIN_ROWS_PER_EXPERT
     # One number per code width: where the decode kernel stops taking codes, the dequantizing path starts.
     assert cuda_constant("gemm_decode_sm90.cu", "kMaxRowsPerExpertQuantGrouped") == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT
     assert cuda_constant("gemm_decode_sm90.cu", "kMaxRowsPerExpertQuant4Grouped") == gemm_ops.DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
@@ -236,19 +238,19 @@ def _mxfp4(rng, e, n, k):
 
 
 def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
-    """MXFP4 weights with bf16 activations and output from 32 up to below 768 rows per expert: the
+    """MXFP4 weights with bf16 activations and output from 16 up to below 768 rows per expert: the
     MXFP4 kernel's tile list and permuted activations (R x K bf16) and no dequantization buffer;
     HUMMING_JAX_PREFILL_FP4=0 swaps the two (from 128 rows per expert; below, the decode kernel)."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4, raising=False)
     e, n, k = 8, 384, 512
     w = _mxfp4(rng, e, n, k)
-    for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
+    for rows in (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.fp4_prefill(rows, w, jnp.bfloat16, False), rows
         tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
     declined = {
-        "too few rows": (gemm_ops.MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16, jnp.bfloat16),
+        "too few rows": (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16, jnp.bfloat16),
         "too many rows": (gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, jnp.bfloat16),
         "fp16 activations": (256 * e, w, jnp.float16, jnp.float16),
         "float32 output": (256 * e, w, jnp.bfloat16, jnp.float32),
@@ -278,13 +280,18 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_U4RS, raising=False)
     e, n, k = 8, 384, 512
     w = _int4(rng, e, n, k)
-    for rows in (gemm_ops.MIN_ROWS_PER_EXPERT * e, gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e - 1):
+    for rows in (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e, gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.u4rs_prefill(rows, w, jnp.bfloat16, False), rows
         assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False), rows
         assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
         tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+    # Below RS4_MIN_ROWS_PER_EXPERT neither; from it up to MIN_ROWS_PER_EXPERT only the mainloop (with
+    # it switched off, the decode kernel: no mixed-input kind below MIN_ROWS_PER_EXPERT).
+    low = gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e - 1
+    assert not gemm_ops.u4rs_prefill(low, w, jnp.bfloat16, False) and not gemm_ops.mixed_prefill(low, w, jnp.bfloat16, False)
+    assert gemm_ops.rs4_workspace_bytes(low, w, jnp.bfloat16, False) == 0
     wide = gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e
     assert not gemm_ops.u4rs_prefill(wide, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(wide, w, jnp.bfloat16, False)
     assert gemm_ops.rs4_workspace_bytes(wide, w, jnp.bfloat16, False) == 0
@@ -299,6 +306,9 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
     assert not gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False, jnp.float32)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "0")
     assert not gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(64 * e, w, jnp.bfloat16, False)
+    between = gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e
+    assert not gemm_ops.u4rs_prefill(between, w, jnp.bfloat16, False)
+    assert not gemm_ops.mixed_prefill(between, w, jnp.bfloat16, False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "512")
     assert gemm_ops.u4rs_prefill(256 * e, w, jnp.bfloat16, False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "many")
@@ -308,8 +318,9 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
 
 def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch):
     """$HUMMING_JAX_PREFILL_MIN_ROWS=<n> lets the prefill kinds (and so their workspace) take calls
-    from n rows per expert instead of MIN_ROWS_PER_EXPERT; auto selection keeps its threshold."""
-    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT
+    from n rows per expert instead of MIN_ROWS_PER_EXPERT (the 4-bit mainloop: instead of
+    RS4_MIN_ROWS_PER_EXPERT); auto selection keeps its thresholds."""
+    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT, GROUPED_MIN_ROWS_PER_EXPERT_4BIT
 
     for var in (gemm_ops.ENV_PREFILL_MIN_ROWS, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
                 gemm_ops.ENV_PREFILL_MIXED):
@@ -318,21 +329,24 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
     int4, fp4 = _int4(rng, e, n, k), _mxfp4(rng, e, n, k)
     rows = 8 * e
     assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.MIN_ROWS_PER_EXPERT
+    assert gemm_ops.rs4_min_rows_per_expert() == gemm_ops.RS4_MIN_ROWS_PER_EXPERT
     for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
         assert not take(rows, w, jnp.bfloat16, False)
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 0
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "1")
-    assert gemm_ops.prefill_min_rows_per_expert() == 1
+    assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.rs4_min_rows_per_expert() == 1
     for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
         assert take(rows, w, jnp.bfloat16, False) and not take(e - 1, w, jnp.bfloat16, False)
         tiles = -(-rows // 32) + e + 1
         assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
     assert GROUPED_MIN_ROWS_PER_EXPERT == gemm_ops.MIN_ROWS_PER_EXPERT
+    assert GROUPED_MIN_ROWS_PER_EXPERT_4BIT == gemm_ops.RS4_MIN_ROWS_PER_EXPERT
     for bad in ("0", "-3"):  # not a count: the built-in threshold
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)
         assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.MIN_ROWS_PER_EXPERT
+        assert gemm_ops.rs4_min_rows_per_expert() == gemm_ops.RS4_MIN_ROWS_PER_EXPERT
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, " +4")
-    assert gemm_ops.prefill_min_rows_per_expert() == 4
+    assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.rs4_min_rows_per_expert() == 4
     # Spellings Python's int() takes but the CUDA handler's strtoll would not read as the same number.
     for bad in ("few", "4 ", "1_6", "4.0", "0x10"):
         monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, bad)

@@ -152,6 +152,30 @@ def test_auto_prefers_grouped_for_prefill_sized_calls(monkeypatch):
     assert hj.select_experts(BF16, None, batched=True, rows_per_expert=10 * T) is BatchedExperts
 
 
+def test_auto_prefers_grouped_from_fewer_rows_for_the_4bit_mainloop_formats(monkeypatch):
+    """Weights the 4-bit mainloop takes (MXFP4; symmetric int4 with bf16 scales per whole 64-k
+    groups or per channel) with 16-bit activations switch to the grouped class from
+    GROUPED_MIN_ROWS_PER_EXPERT_4BIT rows per expert; other 4-bit keys, and 8-bit activations, keep
+    GROUPED_MIN_ROWS_PER_EXPERT."""
+    monkeypatch.delenv(ENV_GEMM_TYPE, raising=False)
+    from humming_jax import schemas
+    from humming_jax.quantize import W_INT4_G128, W_MXFP4, W_UINT4_ZP_G128
+    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT as T
+    from humming_jax.selection import GROUPED_MIN_ROWS_PER_EXPERT_4BIT as T4
+    from humming_jax.selection import grouped_min_rows_per_expert
+
+    assert T4 < T
+    for key in (W_INT4_G128, W_MXFP4, schemas.GPTQ(4, 64).quant_key(), schemas.GPTQ(4, -1).quant_key()):
+        assert grouped_min_rows_per_expert(key, None) == T4, key
+    for key in (W_INT4_G128, W_MXFP4):  # the schemes the classes run
+        assert hj.select_experts(key, None, rows_per_expert=T4) is GroupedExperts, key
+        assert hj.select_experts(key, None, rows_per_expert=T4 - 1) is IndexedExperts, key
+    fp8_act = QuantKey("float8_e4m3fn", ScaleDesc("float32", False, GroupShape(1, 128)))
+    for key, act in ((W_UINT4_ZP_G128, None), (schemas.GPTQ(4, 32).quant_key(), None), (BF16, None),
+                     (W_INT4_G128, fp8_act)):
+        assert grouped_min_rows_per_expert(key, act) == T, (key, act)
+
+
 def test_fused_moe_auto_runs_the_class_its_size_asks_for(rng, monkeypatch):
     """Auto at a prefill size compiles the grouped class, one row fewer per expert the indexed one;
     both equal the reference."""

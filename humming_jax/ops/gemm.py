@@ -223,8 +223,12 @@ ENV_DEQUANT_WORKSPACE_MB = "HUMMING_JAX_DEQUANT_WORKSPACE_MB"
 DEQUANT_WORKSPACE_MB_DEFAULT = 512
 _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the workspace
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
-# $HUMMING_JAX_PREFILL_MIN_ROWS=<n> (n > 0) moves it to n on both sides, read when the call is traced
-# (A/B timing of the prefill kinds at decode sizes; auto selection keeps GROUPED_MIN_ROWS_PER_EXPERT).
+# The kinds on our 4-bit mainloop (MXFP4, and uint4 with whole 64-k scale groups, bf16 activations)
+# start lower: their persistent forms stream the weights faster than the decode kernel from here.
+RS4_MIN_ROWS_PER_EXPERT = 16  # cuda_ffi/gemm_prefill_sm90.h, kRs4MinRowsPerExpert
+# $HUMMING_JAX_PREFILL_MIN_ROWS=<n> (n > 0) moves both to n on both sides, read when the call is traced
+# (A/B timing of the prefill kinds at decode sizes; auto selection keeps its thresholds,
+# selection.grouped_min_rows_per_expert).
 ENV_PREFILL_MIN_ROWS = "HUMMING_JAX_PREFILL_MIN_ROWS"
 # Quantized weights are dequantized for the prefill kernel only from this many rows per expert: 8-bit
 # codes from DEQUANT_MIN_ROWS_PER_EXPERT, 4-bit ones from DEQUANT_MIN_ROWS_PER_EXPERT_4BIT
@@ -249,9 +253,16 @@ def _env_int(name: str, what: str) -> int | None:
 
 
 def prefill_min_rows_per_expert() -> int:
-    """Rows per expert (on average) from which the prefill kinds take ``gemm_grouped`` calls."""
+    """Rows per expert (on average) from which the prefill kinds take ``gemm_grouped`` calls (those
+    on the 4-bit mainloop: ``rs4_min_rows_per_expert``)."""
     override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
     return override if override is not None and override > 0 else MIN_ROWS_PER_EXPERT
+
+
+def rs4_min_rows_per_expert() -> int:
+    """Rows per expert (on average) from which the 4-bit mainloop takes ``gemm_grouped`` calls."""
+    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
+    return override if override is not None and override > 0 else RS4_MIN_ROWS_PER_EXPERT
 
 
 def dequant_min_rows_per_expert(w: PackedWeight) -> int:
@@ -278,8 +289,12 @@ MIXED_TILE_K = 64  # cuda_ffi/gemm_prefill_sm90.h, kMixedTileK
 _MAX_EXPERTS = 8192  # cuda_ffi/gemm_prefill_sm90.h, kMaxExperts
 
 
-def _mixed_input_fits(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> bool:
-    """uint4 codes the mixed-input kinds (or our 4-bit mainloop, u4rs_prefill) can take."""
+def _mixed_input_fits(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
+                      min_rows: int | None = None) -> bool:
+    """uint4 codes the mixed-input kinds (or our 4-bit mainloop, u4rs_prefill) can take, from
+    ``min_rows`` rows per expert (default ``prefill_min_rows_per_expert()``)."""
+    if min_rows is None:
+        min_rows = prefill_min_rows_per_expert()
     e, n, k = w.num_experts, w.n, w.k
     if os.environ.get(ENV_PREFILL_MIXED, "") == "0":
         return False
@@ -287,7 +302,7 @@ def _mixed_input_fits(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
             and jnp.dtype(w.scale.dtype) == jnp.bfloat16 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and w.group_n == 1
             and (w.group_k % MIXED_TILE_K == 0 or w.group_k >= k) and k % 32 == 0 and n % 8 == 0
-            and 0 < e <= _MAX_EXPERTS and prefill_min_rows_per_expert() * e <= rows
+            and 0 < e <= _MAX_EXPERTS and min_rows * e <= rows
             and e * n * ((-(-k // w.group_k) + 7) // 8) < 2**31)
 
 
@@ -308,7 +323,7 @@ def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
 
 # MXFP4 weights (e2m1 codes, uint8 e8m0 scales per 1 x 32, no zero points or second scale) with
 # bf16 activations and output run on the MXFP4 prefill kinds (Kind::kFp4Bf16 of
-# cuda_ffi/gemm_prefill_sm90.h) from MIN_ROWS_PER_EXPERT up to below FP4_MAX_ROWS_PER_EXPERT rows per
+# cuda_ffi/gemm_prefill_sm90.h) from RS4_MIN_ROWS_PER_EXPERT up to below FP4_MAX_ROWS_PER_EXPERT rows per
 # expert: the codes are converted in the mainloop, and the activations are first copied into the
 # workspace in the mainloop's k order (rs4_workspace_bytes). K a multiple of 64, N of 8.
 # $HUMMING_JAX_PREFILL_FP4=0 (read when the call is traced, as by the CUDA handler at each call)
@@ -327,12 +342,12 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
             and w.group_n == 1 and w.group_k == 32 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and n % 8 == 0 and e > 0
-            and prefill_min_rows_per_expert() * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
+            and rs4_min_rows_per_expert() * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
             and -(-rows // 32) + e + 1 <= 65535)
 
 
 # uint4 calls of the mixed-input kinds whose scale groups are whole 64-k tiles (or span K), K a
-# multiple of 64, from MIN_ROWS_PER_EXPERT up to below U4RS_MAX_ROWS_PER_EXPERT rows per expert run on
+# multiple of 64, from RS4_MIN_ROWS_PER_EXPERT up to below U4RS_MAX_ROWS_PER_EXPERT rows per expert run on
 # the same 4-bit mainloop as MXFP4 (Kind::kU4Bf16Rs), with the same workspace (rs4_workspace_bytes)
 # instead of the transposed scales. $HUMMING_JAX_PREFILL_U4RS=0 keeps them on the mixed-input kinds;
 # =<n> moves the upper bound to n rows per expert (A/B timing); read when the call is traced, as by
@@ -353,8 +368,8 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
     """Whether a ``gemm_grouped`` call of ``rows`` rows with uint4 weights runs on the 4-bit
     mainloop (on an sm_90 device)."""
     e, k = w.num_experts, w.k
-    return (_mixed_input_fits(rows, w, act_dtype, act_quantized) and jnp.dtype(out_dtype) == jnp.bfloat16
-            and k % 64 == 0 and (w.group_k % 64 == 0 or w.group_k >= k)
+    return (_mixed_input_fits(rows, w, act_dtype, act_quantized, rs4_min_rows_per_expert())
+            and jnp.dtype(out_dtype) == jnp.bfloat16 and k % 64 == 0 and (w.group_k % 64 == 0 or w.group_k >= k)
             and rows < u4rs_max_rows_per_expert() * e and -(-rows // 32) + e + 1 <= 65535)
 
 

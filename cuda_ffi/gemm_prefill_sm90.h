@@ -115,7 +115,7 @@ constexpr int64_t kTallRowsPerExpertMixed = 256;
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
 constexpr int64_t kU4RsMaxRowsPerExpert = 192;
 // ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): at 16
-// rows per expert the mainloop's persistent forms streamed the weights 1.3-1.5x faster than the
+// rows per expert the mainloop's persistent forms streamed the weights 1.3-1.45x faster than the
 // decode kernel (deepseek and mixtral shapes, int4 and mxfp4), at 8 as fast, at 4 slower
 // (benchmarks/NOTES.md, v25). HUMMING_JAX_PREFILL_MIN_ROWS=n > 0 replaces both bounds.
 constexpr int64_t kRs4MinRowsPerExpert = 16;

@@ -1252,7 +1252,7 @@ double rounds_cost(int64_t items, int sms) {
 // many: form 3 where its rounds, each twice as long, cost less, and only up to 32 rows per expert
 // (at 48, v24: 1.1-1.7x form 4's time). The model put form 3 at 0.88 / 0.96 / 1.47x form 4's time at
 // deepseek GEMM1 / mixtral GEMM1 / mixtral GEMM2 (its 64 items on 132 SMs); measured 0.86-0.89 /
-// 0.95 / 1.46-1.49.
+// 0.95-0.96 / 1.46-1.55 (M = 128, int4 and mxfp4).
 constexpr double kTwoSlabCost = 0.875;
 int ws_form(const GroupedArgs& g, int sms) {
   const int64_t e = std::max<int64_t>(g.E, 1);

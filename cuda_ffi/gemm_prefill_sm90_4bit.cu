@@ -939,6 +939,24 @@ __device__ __forceinline__ void wsp_store_words(uint32_t sc_s, uint32_t pk, int 
   }
 }
 
+// A stage's loads by TMA, once its slot is free (every producer thread waits): thread 0 issues the
+// slot's codes (the item's kRowsCta rows x 32 bytes, in boxes of 256 rows) and the tile's activation
+// rows, both completing the stage's full barrier with tx bytes.
+template <typename Sh>
+__device__ __forceinline__ void wsp_load_stage(const Ws4Params& W, const WspItem& it, const CUtensorMap* act_map,
+                                               uint32_t tx, int kt, int p, uint32_t slot, uint32_t phase,
+                                               uint32_t full, uint32_t bar_empty, uint32_t code0, uint32_t act0) {
+  mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
+  if (p == 0) {
+    mbar_arrive_expect_tx(full, tx);
+    const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
+#pragma unroll
+    for (int b = 0; b < Sh::kRowsCta / 256; ++b)
+      tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
+    tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
+  }
+}
+
 template <Codes C, typename Sh>
 __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
   constexpr int kWords = Sh::kScaleWords;
@@ -965,15 +983,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
     auto stage = [&](int kt, auto ring_slot) {
       constexpr int J = decltype(ring_slot)::value;
       const uint32_t full = bar_full + 8 * slot;
-      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
-      if (p == 0) {
-        mbar_arrive_expect_tx(full, tx);
-        const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
-#pragma unroll
-        for (int b = 0; b < Sh::kRowsCta / 256; ++b)
-          tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
-        tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
-      }
+      wsp_load_stage<Sh>(W, it, act_map, tx, kt, p, slot, phase, full, bar_empty, code0, act0);
       wsp_store_words<C, Sh>(sc0 + slot * Sh::kScaleBytes, pk, p, [&](int q) { return ring[J][q]; });
       mbar_arrive(full);  // release: the scale words above are visible to the waiters
       // The words of stage kt + kAhead: uint4 groups of several 64-k tiles (tpg > 1) repeat the
@@ -1059,15 +1069,7 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
         w_cur = w;
       }
       const uint32_t full = bar_full + 8 * slot;
-      mbar_wait(bar_empty + 8 * slot, phase ^ 1u);
-      if (p == 0) {
-        mbar_arrive_expect_tx(full, tx);
-        const uint32_t code_s = code0 + slot * Sh::kCodeBytes;
-#pragma unroll
-        for (int b = 0; b < kBoxes; ++b)
-          tma_load_3d(code_s + b * (256 * kBK / 2), &W.codes, kt * (kBK / 2), it.n0 + 256 * b, it.e, full);
-        tma_load_3d(act0 + slot * Sh::kActBytes, act_map, kt * kBK, it.row0, 0, full);
-      }
+      wsp_load_stage<Sh>(W, it, act_map, tx, kt, p, slot, phase, full, bar_empty, code0, act0);
       const uint32_t words = win0 + (v & 1u) * Sh::kWindowBytes + static_cast<uint32_t>(g % kWg) * 2;
       wsp_store_words<C, Sh>(sc0 + slot * Sh::kScaleBytes, pk, p,
                              [&](int q) { return lds16(words + static_cast<uint32_t>(p + 128 * q) * (kWg * 2)); });

@@ -910,10 +910,6 @@ __device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int
   return WspItem{tile.x, tile.y, tile.z, (i % nb) * rows_cta};
 }
 
-// The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
-// run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
-// tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
-// Sh::kScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
 // One stage's scale words of the producer thread p's rows (p + 128 q: word(q)) into the slot at
 // sc_s, in the packed layout (pk: wsp_packed of p); for e2m1 with precomputed factors (wsp_pre),
 // also the rows' first factors and the warp's flag word.
@@ -957,6 +953,10 @@ __device__ __forceinline__ void wsp_load_stage(const Ws4Params& W, const WspItem
   }
 }
 
+// The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
+// run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
+// tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
+// Sh::kScaleAhead stages ahead in a ring of register slots with compile-time indices (ws_produce).
 template <Codes C, typename Sh>
 __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
   constexpr int kWords = Sh::kScaleWords;

@@ -252,17 +252,21 @@ def _env_int(name: str, what: str) -> int | None:
     return int(raw)
 
 
+def _min_rows_or_override(built_in: int) -> int:
+    """$HUMMING_JAX_PREFILL_MIN_ROWS where it is a positive count, else ``built_in``."""
+    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
+    return override if override is not None and override > 0 else built_in
+
+
 def prefill_min_rows_per_expert() -> int:
     """Rows per expert (on average) from which the prefill kinds take ``gemm_grouped`` calls (those
     on the 4-bit mainloop: ``rs4_min_rows_per_expert``)."""
-    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
-    return override if override is not None and override > 0 else MIN_ROWS_PER_EXPERT
+    return _min_rows_or_override(MIN_ROWS_PER_EXPERT)
 
 
 def rs4_min_rows_per_expert() -> int:
     """Rows per expert (on average) from which the 4-bit mainloop takes ``gemm_grouped`` calls."""
-    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
-    return override if override is not None and override > 0 else RS4_MIN_ROWS_PER_EXPERT
+    return _min_rows_or_override(RS4_MIN_ROWS_PER_EXPERT)
 
 
 def dequant_min_rows_per_expert(w: PackedWeight) -> int:

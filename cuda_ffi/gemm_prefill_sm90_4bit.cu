@@ -1356,7 +1356,8 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
                                       e2m1_codes ? 1 : 2, g.w_scale_raw, scale_cols, g.N, g.E, e2m1_codes ? 16 : 8, 256,
                                       CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B))
       return "cuTensorMapEncodeTiled failed for the scales";
-    // The kernel's six forms (codes format x shape), each raising its limit once.
+    // The launches' twelve kernels (codes format x form, the persistent forms with and without TMA
+    // scales), each raising its limit once.
     auto launch = [&](auto kernel, dim3 grid_here, int threads, int smem, unsigned& configured) {
       if (!decode::raise_smem_limit_once(kernel, smem, true, configured)) return false;
       kernel<<<grid_here, threads, smem, stream>>>(W);

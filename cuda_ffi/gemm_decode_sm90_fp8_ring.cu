@@ -349,11 +349,7 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
   // A/B switches (timing only): HUMMING_JAX_RING_L2=none|128|256 (the TMA's L2 promotion, default
   // 256), HUMMING_JAX_RING_ORDER=item (an item's slices in turn instead of one slice of every item),
   // HUMMING_JAX_RING_NARROW=0 (16-token MMAs for every unit of a launch with items over 8 rows).
-  const char* l2 = std::getenv("HUMMING_JAX_RING_L2");
-  const std::string l2s = l2 ? l2 : "";
-  const CUtensorMapL2promotion promo = l2s == "none"  ? CU_TENSOR_MAP_L2_PROMOTION_NONE
-                                       : l2s == "128" ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
-                                                      : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  const CUtensorMapL2promotion promo = l2_promotion_from_env("HUMMING_JAX_RING_L2", CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   const char* order = std::getenv("HUMMING_JAX_RING_ORDER");
   // Slice-major by default: neighbouring CTAs stream the same slice of different experts (NOTES v11n:
   // qwen3 M = 4 / 128 3% faster, the rest within 1%).

@@ -30,10 +30,10 @@
 //    (expert, first row, rows), so a CTA starts with one load, not a search.
 //  * Epilogue: accumulators + per-expert float32 bias, rounded to bf16 through shared memory into
 //    16-byte row stores.
-//  * At up to 48 rows per expert on average, a warp-specialized form of the same tile (tiles of at
-//    most 96 rows; gemm4_ws_kernel below): a producer warp loads the ring by TMA, the two
+//  * A warp-specialized form of the same tile (tiles of at most 96 rows; gemm4_ws_kernel below,
+//    HUMMING_JAX_PREFILL_RS4_WS=1 / 2, for A/B): a producer warp loads the ring by TMA, the two
 //    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
-//  * A persistent form (gemm4_wsp_kernel, HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four
+//  * The default, a persistent form (gemm4_wsp_kernel, ws_form; HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four
 //    consumer warpgroups and a producer warpgroup that gives them registers (setmaxnreg),
 //    precomputes the e2m1 scale factors and, where a row's scales span whole 16 bytes, takes them
 //    by TMA in 16-byte windows a row. Same bits.
@@ -406,8 +406,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm4_kernel(Params4 P) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The warp-specialized form of the same tile, for calls of at most kWsRowsPerExpert rows per expert
-// on average (run_rs4; HUMMING_JAX_PREFILL_RS4_WS=1 / 0 forces it / the mainloop above). Beside
+// The warp-specialized form of the same tile (HUMMING_JAX_PREFILL_RS4_WS=1 / 2, A/B; the persistent
+// form further below grew out of it and is the default). Beside
 // humming-kernels the mainloop above does the same conversion and MMA work but issues ~30% more
 // instructions (every thread's copy and scale-load addressing, the ring's slot arithmetic) and
 // waits at a CTA barrier per stage (benchmarks/NOTES.md, v11v). Here a producer warp fills a ring
@@ -428,7 +428,6 @@ constexpr int kWsActBytes = kWsActTokens * kBK * 2;  // one stage of activations
 // Four stages: the producer's loop is unrolled over the ring, so its slots and phases are constants.
 constexpr int kWsStages = 4;
 constexpr int kWsScaleAhead = kWsStages;  // stages between a scale word's load and its store
-constexpr int64_t kWsRowsPerExpert = 48;  // run_rs4's rule (average rows per expert)
 
 // The form's shape for S slabs of 64 weight rows per consumer warpgroup (128 S rows per CTA).
 // Two slabs convert twice the weights per stage against the same waits, activation tile and
@@ -1190,8 +1189,13 @@ __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid
 std::string ws_tensor_maps(Ws4Params& W, const void* codes, int64_t E, int64_t N, int64_t K, const void* act, int64_t R,
                            int rows_cta) {
   if (tensor_map_encoder() == nullptr) return "cuTensorMapEncodeTiled is not available";
+  // A stage takes 32 bytes of each weight row; a 256-byte L2 promotion fetches eight stages' worth at
+  // once, which must then stay in the L2 until the CTA's later stages read them. 128 bytes measured
+  // 1.00-1.02x faster than 256 at deepseek / mixtral M = 64 / 128 (int4, mxfp4; H100, NOTES v26), no
+  // promotion 0.78-0.87x. HUMMING_JAX_PREFILL_RS4_L2=none|128|256 picks one (A/B).
+  const CUtensorMapL2promotion promo = l2_promotion_from_env("HUMMING_JAX_PREFILL_RS4_L2", CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (!encode_rows_3d(&W.codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, codes, K / 2, N, E, kBK / 2,
-                      static_cast<uint32_t>(rows_cta), CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B))
+                      static_cast<uint32_t>(rows_cta), CU_TENSOR_MAP_SWIZZLE_NONE, promo))
     return "cuTensorMapEncodeTiled failed for the codes";
   // One map per tile width (16, 32, .., 128 rows): a stage's activations are one box.
   for (int i = 0; i < kMaxTokens / 16; ++i)
@@ -1247,7 +1251,10 @@ double rounds_cost(int64_t items, int sms) {
   return static_cast<double>(items / slots) + std::sqrt(std::sqrt(part));
 }
 
-// The form up to kWsRowsPerExpert rows per expert on average: a persistent one. Two slabs and
+// The persistent form at any size: form 4 above 32 rows per expert on average (H100, v26, against
+// the plain mainloop that held calls above 48 rows before: 0.96-1.12x at 64 rows per expert, the
+// losses deepseek's within the sweep's +-4% noise, 1.00-1.17x at 96-128, mxfp4 1.08-1.19x at
+// 256-512). Up to 32: two slabs and
 // 48-token tiles (form 3, items of 512 weight rows) stream a weight row in kTwoSlabCost of the time
 // one slab and 128-token tiles take (form 4, items of 256 rows) where both fill their rounds (H100,
 // v25: 0.86-0.89 at deepseek's GEMM1, K = 7168; v24, qwen3: 0.87-0.89), but their items are half as
@@ -1271,15 +1278,14 @@ std::atomic<uint64_t> g_rs4_form_launches[5];
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
-  // Up to kWsRowsPerExpert rows per expert on average a persistent form (ws_form), above it the
-  // plain mainloop, whose tiles hold up to 128 rows. The warp-specialized forms load by TMA, so the
-  // rule also needs the driver's tensor-map encoder (the call fails where
+  // A persistent form (ws_form) at every size; the plain mainloop, whose tiles hold up to 128 rows,
+  // where the driver has no tensor-map encoder (the warp-specialized forms load by TMA; the call fails where
   // HUMMING_JAX_PREFILL_RS4_WS forces one without it). HUMMING_JAX_PREFILL_RS4_WS=1 / =2: the
   // two-CTA form with one / two slabs always (A/B), =3 / =4: the persistent form with two slabs and
   // tiles of 48 rows / one slab and 128, =0: never; Python rejects other values.
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);
   const int form = ws_switch >= 1 && ws_switch <= 4 ? static_cast<int>(ws_switch)
-                   : ws_switch == -1 && g.R <= kWsRowsPerExpert * g.E && tensor_map_encoder() != nullptr
+                   : ws_switch == -1 && tensor_map_encoder() != nullptr
                        ? ws_form(g, dev.sm_count)
                        : 0;
   const bool persistent = form >= 3;  // 3: WspTwoSlabs, 4: WspOneSlab

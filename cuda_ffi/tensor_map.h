@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 namespace hj {
@@ -42,6 +44,17 @@ inline bool encode_rows_3d(CUtensorMap* map, CUtensorMapDataType type, int elem_
   const cuuint32_t box[3] = {box_cols, box_rows, 1}, estrides[3] = {1, 1, 1};
   return encode(map, type, 3, const_cast<void*>(base), dims, strides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                 swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The L2 promotion an A/B switch names: environment variable `name` = none | 128 | 256; unset or
+// anything else, `unset` (read at each launch).
+inline CUtensorMapL2promotion l2_promotion_from_env(const char* name, CUtensorMapL2promotion unset) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return unset;
+  if (std::strcmp(v, "none") == 0) return CU_TENSOR_MAP_L2_PROMOTION_NONE;
+  if (std::strcmp(v, "128") == 0) return CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  if (std::strcmp(v, "256") == 0) return CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  return unset;
 }
 
 }  // namespace hj

@@ -448,11 +448,9 @@ _RS4_ONE_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4OneSlabLaunches") if G
 
 def _rs4_rule_form(rows, e, n, kdim, sms):
     """The 4-bit mainloop's default form (cuda_ffi/gemm_prefill_sm90_4bit.cu, ws_form), restated:
-    0 the plain mainloop above 48 rows per expert; 3 (two slabs, 48-token tiles: items of 512 weight
-    rows) up to 32 rows per expert where 2 x 0.875 of its rounds cost no more than form 4's (items
-    of 256 rows), a last partial round costing the fourth root of its fill; else 4."""
-    if rows > 48 * e:
-        return 0
+    3 (two slabs, 48-token tiles: items of 512 weight rows) up to 32 rows per expert where
+    2 x 0.875 of its rounds cost no more than form 4's (items of 256 rows), a last partial round
+    costing the fourth root of its fill; else 4 (one slab, 128-token tiles), at any size."""
     if rows > 32 * e:
         return 4
 
@@ -471,7 +469,8 @@ def _rs4_rule_form(rows, e, n, kdim, sms):
     (128, 8, 32, 4096, 512),  # 32 rows per expert, 256 / 512 items (deepseek GEMM1's): two slabs
     (64, 2, 8, 4096, 512),  # 16 rows per expert, 64 / 128 items (mixtral GEMM2's): one slab
     (768, 8, 128, 512, 256),  # 48 rows per expert: one slab
-    (1024, 8, 128, 512, 256),  # 64: the plain mainloop
+    (1024, 8, 128, 512, 256),  # 64: one slab
+    (1280, 1, 8, 384, 512),  # 160: two tiles an expert, one slab
 ])
 def test_prefill_4bit_default_form_follows_the_rule(rng, monkeypatch, scheme, m, k, e, n, kdim):
     """Without HUMMING_JAX_PREFILL_RS4_WS the 4-bit mainloop takes the form its rule names (counted
@@ -1101,9 +1100,11 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
     indexed blocks and 32 batched items per slice, several waves of CTAs. The items hold their
     activations whole; the 4-bit ones permute them once per item (the default) or per MMA step
     (HUMMING_JAX_DECODE_PRE_PERMUTE=0). fp8 stays on the decode kernel (its ring kernel is tested
-    at such shapes in test_decode_fp8_variants_match_cpu)."""
+    at such shapes in test_decode_fp8_variants_match_cpu). At 16 rows per expert the 4-bit
+    formats would take their prefill mainloop (from 16 rows), so its bound is held at 32 here."""
     monkeypatch.setenv("HUMMING_JAX_DECODE_PRE_PERMUTE", pre_permute)
     monkeypatch.setenv("HUMMING_JAX_DECODE_RING", "0")
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "32")
     dtype = SCHEMES[scheme].default_dtype
     e, n, kdim, m, k = 32, 4096, 256, 128, 4
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)

@@ -109,11 +109,12 @@ constexpr int64_t kWideRowsPerExpertMixed = 128;
 constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The range of rows per expert (on average) of the kinds on our 4-bit mainloop: up to below these.
-// uint4 (H200, benchmarks/results/h200/2026-12-02-v11c-sweep-u4rs-bound.json): the mainloop 13%
-// ahead of the CUTLASS kinds at 128 rows per expert, 12% behind at 256; 192 lies between the two
-// measured points, the crossover itself is not measured yet.
+// uint4 against the CUTLASS kinds (whose 256-token tiles take 192-256 rows per expert in one tile),
+// the mainloop in its persistent form (H100, benchmarks/results/h100/2026-12-06-v26-call5..7-sweep-
+// u4rs-*.json): 1.12-1.28x faster at 192-240 rows per expert, 0.96-0.99x at 256, and again
+// 1.05-1.25x at 288-320, 0.86-1.03x from 384.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
-constexpr int64_t kU4RsMaxRowsPerExpert = 192;
+constexpr int64_t kU4RsMaxRowsPerExpert = 256;
 // ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): at 16
 // rows per expert the mainloop's persistent forms streamed the weights 1.3-1.45x faster than the
 // decode kernel (deepseek and mixtral shapes, int4 and mxfp4), at 8 as fast, at 4 slower

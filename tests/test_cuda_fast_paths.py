@@ -360,6 +360,7 @@ U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, 
     (96, 2, 8, 264, 2048, "tail", True, 128),  # 24: below the mixed-input kinds' bound
     (192, 2, 8, 264, 384, "tail", True, 128),  # 48; N not a multiple of the tile; rows past off[E]
     (512, 8, 64, 384, 640, "zero_rows", True, 128),  # ~190 on the used experts: several tiles each
+    (896, 2, 8, 384, 512, "uniform", False, 128),  # 224: two tiles each
     (256, 2, 8, 200, 192, "uniform", False, 192),  # one group spanning K (3 tiles)
     (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
     (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles

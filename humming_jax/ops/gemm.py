@@ -357,7 +357,7 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
 # =<n> moves the upper bound to n rows per expert (A/B timing); read when the call is traced, as by
 # the CUDA handler at each call.
 ENV_PREFILL_U4RS = "HUMMING_JAX_PREFILL_U4RS"
-U4RS_MAX_ROWS_PER_EXPERT = 192  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
+U4RS_MAX_ROWS_PER_EXPERT = 256  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
 
 
 def u4rs_max_rows_per_expert() -> int:

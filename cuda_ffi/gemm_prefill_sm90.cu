@@ -38,18 +38,15 @@ bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", tru
 bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); }
 
 // HUMMING_JAX_PREFILL_MIN_ROWS=n > 0: the prefill kinds take calls from n rows per expert instead of
-// kMinRowsPerExpert (read at each call, for A/B measurements against the decode kernel; humming_jax/
+// their built-in bound (read at each call, for A/B measurements against the decode kernel; humming_jax/
 // ops/gemm.py reads it when tracing to size the workspace for the path taken).
-int64_t min_rows_per_expert() {
-  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", kMinRowsPerExpert, kMinRowsPerExpert);
-  return n > 0 ? n : kMinRowsPerExpert;
+int64_t min_rows_or_override(int64_t builtin) {
+  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", builtin, builtin);
+  return n > 0 ? n : builtin;
 }
-
-// The same for the kinds on our 4-bit mainloop: kRs4MinRowsPerExpert, or the switch's n.
-int64_t rs4_min_rows_per_expert() {
-  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", kRs4MinRowsPerExpert, kRs4MinRowsPerExpert);
-  return n > 0 ? n : kRs4MinRowsPerExpert;
-}
+int64_t min_rows_per_expert() { return min_rows_or_override(kMinRowsPerExpert); }
+// The kinds on our 4-bit mainloop start lower.
+int64_t rs4_min_rows_per_expert() { return min_rows_or_override(kRs4MinRowsPerExpert); }
 
 // HUMMING_JAX_PREFILL_U4RS: unset, kU4RsMaxRowsPerExpert; 0, the uint4 calls of our 4-bit mainloop
 // stay on the CUTLASS mixed-input kinds; n > 0, the mainloop's upper bound (rows per expert).

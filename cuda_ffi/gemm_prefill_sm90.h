@@ -110,9 +110,9 @@ constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The range of rows per expert (on average) of the kinds on our 4-bit mainloop: up to below these.
 // uint4 against the CUTLASS kinds (tiles of 128 tokens up to 255 rows per expert, so two from 129
-// rows as the mainloop's; of 256 from 256 rows), the mainloop in its persistent form (H100, benchmarks/results/h100/2026-12-06-v26-call5..7-sweep-
-// u4rs-*.json): 1.12-1.28x faster at 192-240 rows per expert, 0.96-0.99x at 256, and again
-// 1.05-1.25x at 288-320, 0.86-1.03x from 384.
+// rows as the mainloop's; of 256 from 256 rows), the mainloop in its persistent form (H100,
+// benchmarks/results/h100/2026-12-06-v26-call{5,6,7}-sweep-u4rs-*.json): 1.12-1.28x faster at
+// 192-240 rows per expert, 0.96-0.99x at 256, and again 1.05-1.25x at 288-320, 0.86-1.03x from 384.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
 constexpr int64_t kU4RsMaxRowsPerExpert = 256;
 // ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): at 16

@@ -33,10 +33,10 @@
 //  * A warp-specialized form of the same tile (tiles of at most 96 rows; gemm4_ws_kernel below,
 //    HUMMING_JAX_PREFILL_RS4_WS=1 / 2, for A/B): a producer warp loads the ring by TMA, the two
 //    warpgroups only wait, convert and issue the MMAs. Same bits as the mainloop.
-//  * The default, a persistent form (gemm4_wsp_kernel, ws_form; HUMMING_JAX_PREFILL_RS4_WS=3 / 4): one CTA per SM of four
-//    consumer warpgroups and a producer warpgroup that gives them registers (setmaxnreg),
-//    precomputes the e2m1 scale factors and, where a row's scales span whole 16 bytes, takes them
-//    by TMA in 16-byte windows a row. Same bits.
+//  * The default, a persistent form (gemm4_wsp_kernel, ws_form; HUMMING_JAX_PREFILL_RS4_WS=3 / 4):
+//    one CTA per SM of four consumer warpgroups and a producer warpgroup that gives them registers
+//    (setmaxnreg), precomputes the e2m1 scale factors and, where a row's scales span whole 16
+//    bytes, takes them by TMA in 16-byte windows a row. Same bits.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -1254,14 +1254,13 @@ double rounds_cost(int64_t items, int sms) {
 // The persistent form at any size: form 4 above 32 rows per expert on average (H100, v26, against
 // the plain mainloop that held calls above 48 rows before: 0.96-1.12x at 64 rows per expert, the
 // losses deepseek's within the sweep's +-4% noise, 1.00-1.17x at 96-128, mxfp4 1.08-1.19x at
-// 256-512). Up to 32: two slabs and
-// 48-token tiles (form 3, items of 512 weight rows) stream a weight row in kTwoSlabCost of the time
-// one slab and 128-token tiles take (form 4, items of 256 rows) where both fill their rounds (H100,
-// v25: 0.86-0.89 at deepseek's GEMM1, K = 7168; v24, qwen3: 0.87-0.89), but their items are half as
-// many: form 3 where its rounds, each twice as long, cost less, and only up to 32 rows per expert
-// (at 48, v24: 1.1-1.7x form 4's time). The model put form 3 at 0.88 / 0.96 / 1.47x form 4's time at
-// deepseek GEMM1 / mixtral GEMM1 / mixtral GEMM2 (its 64 items on 132 SMs); measured 0.86-0.89 /
-// 0.95-0.96 / 1.46-1.55 (M = 128, int4 and mxfp4).
+// 256-512). Up to 32: two slabs and 48-token tiles (form 3, items of 512 weight rows) stream a
+// weight row in kTwoSlabCost of the time one slab and 128-token tiles take (form 4, items of 256
+// rows) where both fill their rounds (H100, v25: 0.86-0.89 at deepseek's GEMM1, K = 7168; v24,
+// qwen3: 0.87-0.89), but their items are half as many: form 3 where its rounds, each twice as long,
+// cost less, and only up to 32 rows per expert (at 48, v24: 1.1-1.7x form 4's time). The model put
+// form 3 at 0.88 / 0.96 / 1.47x form 4's time at deepseek GEMM1 / mixtral GEMM1 / mixtral GEMM2
+// (its 64 items on 132 SMs); measured 0.86-0.89 / 0.95-0.96 / 1.46-1.55 (M = 128, int4 and mxfp4).
 constexpr double kTwoSlabCost = 0.875;
 int ws_form(const GroupedArgs& g, int sms) {
   const int64_t e = std::max<int64_t>(g.E, 1);
@@ -1279,8 +1278,8 @@ std::atomic<uint64_t> g_rs4_form_launches[5];
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
   // A persistent form (ws_form) at every size; the plain mainloop, whose tiles hold up to 128 rows,
-  // where the driver has no tensor-map encoder (the warp-specialized forms load by TMA; the call fails where
-  // HUMMING_JAX_PREFILL_RS4_WS forces one without it). HUMMING_JAX_PREFILL_RS4_WS=1 / =2: the
+  // where the driver has no tensor-map encoder (the warp-specialized forms load by TMA; the call
+  // fails where HUMMING_JAX_PREFILL_RS4_WS forces one without it). HUMMING_JAX_PREFILL_RS4_WS=1 / =2: the
   // two-CTA form with one / two slabs always (A/B), =3 / =4: the persistent form with two slabs and
   // tiles of 48 rows / one slab and 128, =0: never; Python rejects other values.
   const int64_t ws_switch = env_count("HUMMING_JAX_PREFILL_RS4_WS", -1, 0);

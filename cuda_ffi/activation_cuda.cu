@@ -347,11 +347,48 @@ Error launch_activation(const std::string& call, cudaStream_t stream, const void
 
 namespace {
 
-Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
+// The activation with k_order = 1: a thread a 16-byte chunk of an output row, its eight values the
+// activations of the columns rs4_k_of names within the chunk's 64-column tile (rs4_k_order.h); the
+// same contract functions as the kernels above, so the same values, in another order.
+template <ElemType XT>
+__global__ void activation_ordered_kernel(const void* __restrict__ x, uint4* __restrict__ y, int act, float limit,
+                                          int64_t R, int64_t N1, int64_t I) {
+  const int64_t chunks = I / 8, n = R * chunks;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / chunks, q = idx - r * chunks;
+    const int64_t tile = (q / 8) * kRs4OrderTile;
+    const int c = static_cast<int>(q % 8);
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = act_at<XT>(act, limit, x, r, N1, I, tile + rs4_k_of(8 * c + j));
+    y[idx] = make_uint4(pack_half2<XT>(v[0], v[1]), pack_half2<XT>(v[2], v[3]), pack_half2<XT>(v[4], v[5]),
+                        pack_half2<XT>(v[6], v[7]));
+  }
+}
+
+Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit,
+                     int64_t k_order) {
   const std::string call = "activation";
   ActivationShape s;
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
+  HJ_RETURN_IF_ERROR(check_k_order(call, k_order, x.element_type(), s.I));
+  if (k_order == 1) {
+    if (s.R * s.I == 0) return Error::Success();
+    if (!aligned_to(y->untyped_data(), 16)) return invalid(call, "k_order = 1 needs a 16-byte aligned y");
+    const int threads = 256;
+    const unsigned grid = grid_for(s.R * (s.I / 8), threads, 8192);
+    auto* yp = static_cast<uint4*>(y->untyped_data());
+    const int act = static_cast<int>(activation);
+    if (x.element_type() == ffi::DataType::F16)
+      activation_ordered_kernel<ElemType::kF16><<<grid, threads, 0, stream>>>(x.untyped_data(), yp, act, limit, s.R,
+                                                                              s.N1, s.I);
+    else
+      activation_ordered_kernel<ElemType::kBF16><<<grid, threads, 0, stream>>>(x.untyped_data(), yp, act, limit, s.R,
+                                                                               s.N1, s.I);
+    return launch_status(call, "activation_ordered_kernel");
+  }
   return launch_activation(call, stream, x.untyped_data(), y->untyped_data(), elem_type_of(x.element_type()),
                            static_cast<int>(activation), limit, s.R, s.N1, s.I);
 }

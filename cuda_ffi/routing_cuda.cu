@@ -465,11 +465,47 @@ Error launch_permute(const std::string& call, cudaStream_t stream, const void* x
   return launch_status(call, "permute_rows_kernel");
 }
 
+// permute_rows with k_order = 1: a thread a 16-byte chunk of an output row, its eight 16-bit values
+// gathered from the source row's 64-column tile at rs4_k_of of their places (rs4_k_order.h; the
+// tile's 128 bytes are one or two cache lines, read by the eight threads that write them).
+__global__ void permute_rows_ordered_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ perm,
+                                            const int32_t* __restrict__ offsets, int64_t num_offsets, int64_t R,
+                                            int64_t cols, int64_t top_k, uint4* __restrict__ y) {
+  const int64_t valid = valid_rows(offsets, num_offsets, R);
+  const int64_t chunks = cols / 8, n = R * chunks;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t p = idx / chunks, q = idx - p * chunks;
+    const int64_t id = p < valid ? __ldg(perm + p) : -1;
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (id >= 0 && id < R) {
+      const uint16_t* tile = x + (id / top_k) * cols + (q / 8) * kRs4OrderTile;
+      const int c = static_cast<int>(q % 8);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        w[i] = static_cast<uint32_t>(__ldg(tile + rs4_k_of(8 * c + 2 * i))) |
+               (static_cast<uint32_t>(__ldg(tile + rs4_k_of(8 * c + 2 * i + 1))) << 16);
+    }
+    y[idx] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 Error PermuteRowsCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets,
-                      Result<AnyBuffer> y, int64_t top_k) {
+                      Result<AnyBuffer> y, int64_t top_k, int64_t k_order) {
   const std::string call = "permute_rows";
   PermuteShape s;
   HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &s));
+  HJ_RETURN_IF_ERROR(check_k_order(call, k_order, x.element_type(), s.cols));
+  if (k_order == 1) {
+    if (s.R == 0 || s.cols == 0) return Error::Success();
+    if (!aligned_to(y->untyped_data(), 16)) return invalid(call, "k_order = 1 needs a 16-byte aligned y");
+    const int threads = 256;
+    permute_rows_ordered_kernel<<<grid_for(s.R * (s.cols / 8), threads), threads, 0, stream>>>(
+        static_cast<const uint16_t*>(x.untyped_data()), static_cast<const int32_t*>(permutation.untyped_data()),
+        static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, s.cols, top_k,
+        static_cast<uint4*>(y->untyped_data()));
+    return launch_status(call, "permute_rows_ordered_kernel");
+  }
   const int64_t row_bytes = s.cols * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   return permute_rows_into(call, stream, x.untyped_data(), static_cast<const int32_t*>(permutation.untyped_data()),
                            static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, row_bytes, top_k,

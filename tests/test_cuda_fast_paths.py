@@ -991,9 +991,12 @@ def test_rs4_act_order_gives_the_natural_orders_bits(rng, monkeypatch, scheme, m
     """The grouped class on the 4-bit mainloop with its rows written in the mainloop's k order
     (permute_rows and the activation, gemm.rs4_act_order) against the same layer with
     $HUMMING_JAX_RS4_ACT_ORDER=0 (rows copied into that order by the GEMM): the same bits, both
-    GEMMs on the mainloop; and the traced order call when the mainloop turns the call down at run
-    time ($HUMMING_JAX_PREFILL_FP4=0 / _U4RS=0 set after tracing): the handler puts the rows back in
-    their natural order for the kernel that takes it, within tolerance of the oracle."""
+    GEMMs on the mainloop. Then GEMM1 as a raw call with k-ordered rows and the workspace the
+    wrapper sizes for the mainloop, traced after $HUMMING_JAX_PREFILL_FP4=0 / _U4RS=0 turned the
+    mainloop off (the wrapper itself only sends the order to calls the mainloop takes; a fresh trace,
+    so the handler runs, command buffers or not): the handler puts the rows back in their natural
+    order for the kernel that takes the call, as the CPU's natural-order call up to accumulation
+    order."""
     for var in (gemm_ops.ENV_RS4_ACT_ORDER, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
                 gemm_ops.ENV_PREFILL_MIXED):
         monkeypatch.delenv(var, raising=False)
@@ -1015,15 +1018,23 @@ def test_rs4_act_order_gives_the_natural_orders_bits(rng, monkeypatch, scheme, m
     natural = run(jax.jit(lambda out, x, w, tw, ids: GroupedExperts().apply(out, x, w, tw, ids)))
     assert np.all(np.isfinite(ordered))
     np.testing.assert_array_equal(ordered, natural, err_msg=f"{scheme} M={m}: k-ordered rows differ")
-    want = moe_reference(layer.x, layer.w13, layer.w2, layer.topk_weights, layer.topk_ids)
     monkeypatch.delenv(gemm_ops.ENV_RS4_ACT_ORDER)
+    w = layer.weights.w13
+    r = routing_ops.routing_grouped(layer.topk_ids, jnp.arange(8, dtype=jnp.int32), 8)
+    a = routing_ops.permute_rows(layer.x, r, 2)
+    a_ordered = jnp.asarray(_to_np(a)[:, gemm_ops.rs4_column_order(a.shape[1])], jnp.bfloat16)
+    ws = gemm_ops._grouped_workspace(rows, jnp.bfloat16, None, w, jnp.bfloat16)  # with the mainloop's room
+    ops, attrs = gemm_ops._operands(a_ordered, None, w, None, 0)
+    shapes = (jax.ShapeDtypeStruct((rows, w.n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+    off = r.expert_first_token_offset
+    want = _run_on(CPU, lambda a, o, w: {"c": gemm_ops.gemm_grouped(a, None, w, None, o, out_dtype=jnp.bfloat16)},
+                   (a, off, w))["c"]
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4 if scheme == "w4a16-mxfp4" else gemm_ops.ENV_PREFILL_U4RS, "0")
     with _LaunchCount(_RS4_TWO_SLAB_LAUNCHES) as two, _LaunchCount(_RS4_ONE_SLAB_LAUNCHES) as one:
-        fallback = run(ordered_f)  # the executable traced with the order, the mainloop now off
-    assert two.count + one.count == 0, f"{scheme}: the mainloop ran though switched off"
-    assert np.all(np.isfinite(fallback))
-    err = relative_error(fallback, want)
-    assert err <= TOL[jnp.dtype(layer.x.dtype)], f"{scheme} M={m} fallback: relative error {err:.2e}"
+        got = _run_on(GPU, lambda *o: {"c": _ffi.call("gemm_grouped", shapes, *o, **attrs, a_k_order=1)[0]},
+                      (*ops, off))["c"]
+    assert two.count + one.count == 0, f"{scheme}: the 4-bit mainloop ran though switched off"
+    _assert_close(got, want, jnp.bfloat16, f"{scheme} M={m}: the natural rows back from the k order")
 
 
 @requires_prefill

@@ -138,10 +138,15 @@ class JaxPoint:
         return self._cache["indexed"]
 
     def grouped_routing(self):
+        """Per input set, the grouped routing and the permuted rows, in their natural order and (16-bit
+        rows of a multiple of 64 columns) in the 4-bit mainloop's k order, for the class to take
+        whichever it asks permute_rows for."""
         if "grouped" not in self._cache:
             def f(x, ids):
                 rt = routing_ops.routing_grouped(ids, self.emap, self.e)
-                return rt, routing_ops.permute_rows(x, rt, self.k)
+                ordered = x.dtype in (jnp.bfloat16, jnp.float16) and x.shape[1] % 64 == 0
+                xo = routing_ops.permute_rows(x, rt, self.k, k_order=True) if ordered else None
+                return rt, (routing_ops.permute_rows(x, rt, self.k), xo)
             fj = jax.jit(f)
             self._cache["grouped"] = [fj(x, ids) for x, ids in zip(self.xs, self.ids)]
         return self._cache["grouped"]
@@ -227,6 +232,16 @@ def _fixed_routing(indexed=None, grouped=None, permuted=None):
             return value
         return f
 
+    def give_permuted(value):
+        natural, ordered = value
+
+        def f(*_a, k_order=False, **_k):
+            if k_order and ordered is None:
+                raise RuntimeError("the class asks for rows in the 4-bit mainloop's k order, not prepared here")
+            used["n"] += 1
+            return ordered if k_order else natural
+        return f
+
     def give_indexed(value):
         # the layout was built with indexed_block_m(); a class that pads to another block size
         # must not be fed it
@@ -246,7 +261,7 @@ def _fixed_routing(indexed=None, grouped=None, permuted=None):
         if grouped is not None:
             routing_ops.routing_grouped = give(grouped)
         if permuted is not None:
-            routing_ops.permute_rows = give(permuted)
+            routing_ops.permute_rows = give_permuted(permuted)
         yield used
     finally:
         for n, f in saved.items():
@@ -255,7 +270,7 @@ def _fixed_routing(indexed=None, grouped=None, permuted=None):
 
 def routing_layouts(jp: JaxPoint, gemm_type: str) -> list[tuple]:
     """Per input set, what _fixed_routing substitutes: (indexed routing, grouped routing, permuted
-    rows). With quantized activations the grouped class permutes the codes and scales of the
+    rows: natural and k-ordered, JaxPoint.grouped_routing). With quantized activations the grouped class permutes the codes and scales of the
     quantized token rows, so the permutation stays inside the timed part (with the quantization,
     as for the indexed class); with 16-bit activations the permuted rows are prepared outside."""
     if gemm_type == "indexed":

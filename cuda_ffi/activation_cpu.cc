@@ -44,13 +44,15 @@ void quantize_row(ActQuant kind, const float* v, int64_t K, int64_t group_k, int
   }
 }
 
-Error ActivationCpu(AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
+Error ActivationCpu(AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit, int64_t k_order) {
   const std::string call = "activation";
   ActivationShape s;
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
+  HJ_RETURN_IF_ERROR(check_k_order(call, k_order, x.element_type(), s.I));
   activate_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), s.R, s.N1, s.I, static_cast<int>(activation),
                     limit, y->untyped_data());
+  if (k_order == 1) rs4_order_rows_in_place(static_cast<uint16_t*>(y->untyped_data()), s.R, s.I);
   return Error::Success();
 }
 

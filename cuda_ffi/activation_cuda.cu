@@ -14,6 +14,7 @@
 #include "ffi_common.h"
 #include "grouped_rows.cuh"
 #include "quantize_cuda.h"
+#include "rs4_k_order.cuh"
 
 namespace hj {
 namespace {
@@ -347,11 +348,56 @@ Error launch_activation(const std::string& call, cudaStream_t stream, const void
 
 namespace {
 
-Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit) {
+// The activation with k_order = 1 (vec_ok's buffers): a thread activates 8 consecutive columns as
+// activation_vec_kernel does (16-byte loads; the same contract functions, so the same values) and
+// the 8 threads of a 64-column tile trade them into the order (rs4_trade_chunk, rs4_k_order.h).
+// The loop runs warp-uniformly (R * I / 8 is a multiple of 8, so a tile's lanes are in or out
+// together).
+template <ElemType XT>
+__global__ void __launch_bounds__(kVecThreads)
+    activation_ordered_kernel(const uint16_t* __restrict__ x, uint4* __restrict__ y, int act, float limit,
+                              uint32_t total, int N1, int I) {
+  __shared__ uint4 trade[kVecThreads];
+  const uint32_t i8 = static_cast<uint32_t>(I / kVec);
+  const uint32_t warp_base = (blockIdx.x * kVecThreads + threadIdx.x) & ~31u;
+  for (uint32_t base = warp_base; base < total; base += gridDim.x * kVecThreads) {
+    const uint32_t idx = base + (threadIdx.x & 31u);
+    const bool ok = idx < total;
+    uint4 mine{};
+    if (ok) {
+      const uint32_t r = idx / i8, i0 = (idx - r * i8) * kVec;
+      float v[kVec];
+      act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, I, static_cast<int>(i0), v);
+      mine = make_uint4(pack_half2<XT>(v[0], v[1]), pack_half2<XT>(v[2], v[3]), pack_half2<XT>(v[4], v[5]),
+                        pack_half2<XT>(v[6], v[7]));
+    }
+    const uint4 out = rs4_trade_chunk(mine, trade, ok);
+    if (ok) y[idx] = out;
+  }
+}
+
+Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit,
+                     int64_t k_order) {
   const std::string call = "activation";
   ActivationShape s;
   HJ_RETURN_IF_ERROR(check_activation(call, x, activation, &s));
   HJ_RETURN_IF_ERROR(check_activation_output(call, x, *y, s));
+  HJ_RETURN_IF_ERROR(check_k_order(call, k_order, x.element_type(), s.I));
+  if (k_order == 1) {
+    if (s.R * s.I == 0) return Error::Success();
+    if (!vec_ok(x.untyped_data(), y->untyped_data(), s.R, s.N1, s.I))
+      return invalid(call, "k_order = 1 needs 16-byte aligned x and y and fewer than 2^31 16-byte chunks");
+    const uint32_t total = static_cast<uint32_t>(s.R * (s.I / kVec));
+    const unsigned grid = grid_for(total, kVecThreads, 8192);
+    const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+    auto* yp = static_cast<uint4*>(y->untyped_data());
+    const int act = static_cast<int>(activation), n1 = static_cast<int>(s.N1), i = static_cast<int>(s.I);
+    if (x.element_type() == ffi::DataType::F16)
+      activation_ordered_kernel<ElemType::kF16><<<grid, kVecThreads, 0, stream>>>(xp, yp, act, limit, total, n1, i);
+    else
+      activation_ordered_kernel<ElemType::kBF16><<<grid, kVecThreads, 0, stream>>>(xp, yp, act, limit, total, n1, i);
+    return launch_status(call, "activation_ordered_kernel");
+  }
   return launch_activation(call, stream, x.untyped_data(), y->untyped_data(), elem_type_of(x.element_type()),
                            static_cast<int>(activation), limit, s.R, s.N1, s.I);
 }

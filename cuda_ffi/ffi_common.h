@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "moe_contract.h"
+#include "rs4_k_order.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace hj {
@@ -231,6 +232,9 @@ struct GemmProblem {
   ElemType c_type;
   void* c;
   int64_t N, K;
+  // gemm_grouped with a_k_order = 1: a's 16-bit rows are in the 4-bit prefill mainloop's k order
+  // (rs4_k_order.h), which only that mainloop (and the CPU handler) reads.
+  bool a_k_order = false;
 };
 
 struct GemmAttrs {
@@ -344,6 +348,22 @@ inline Error parse_gemm_grouped(const std::string& call, const AnyBuffer& a, con
   HJ_RETURN_IF_ERROR(parse_gemm(call, a, a_scale, qweight, scale, zero, scale2, bias, at, c, p));
   HJ_RETURN_IF_ERROR(check_grouped_layout(call, a, c, offsets, p->w.E));
   return check_grouped_workspace(call, workspace, c, a, a_scale, qweight, scale, zero, scale2, bias, offsets);
+}
+
+// a_k_order of gemm_grouped: 0, or 1 for 16-bit activations (no scales) whose K is a multiple of the
+// order's tile.
+inline Error check_a_k_order(const std::string& call, int64_t a_k_order, GemmProblem* p) {
+  if (a_k_order != 0 && a_k_order != 1)
+    return invalid(call, "a_k_order must be 0 or 1, got " + std::to_string(a_k_order));
+  if (a_k_order == 1) {
+    if (p->a.quantized() || (p->a.type != ElemType::kBF16 && p->a.type != ElemType::kF16))
+      return invalid(call, "a_k_order = 1 needs 16-bit activations without scales");
+    if (p->K % kRs4OrderTile)
+      return invalid(call, "a_k_order = 1 needs K a multiple of " + std::to_string(kRs4OrderTile) + ", got " +
+                               std::to_string(p->K));
+  }
+  p->a_k_order = a_k_order == 1;
+  return Error::Success();
 }
 
 // gemm_grouped_gated: the grouped GEMM into c, then y [R, N / 2] = the gated activation of c's rows.
@@ -500,14 +520,16 @@ auto bind_gemm_indexed_gated() {
       .template Attr<float>("limit");
 }
 
-// gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace
+// gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace; a_k_order = 1: a's
+// rows are in the 4-bit prefill mainloop's k order (rs4_k_order.h; check_a_k_order)
 template <typename PlatformCtx>
 auto bind_gemm_grouped() {
   return bind_base<PlatformCtx>() HJ_GEMM_OPERANDS
       .template Arg<AnyBuffer>()  // expert_first_token_offset [E + 1]
       .template Ret<AnyBuffer>()  // c [R, N]
       .template Ret<AnyBuffer>()  // workspace [bytes] uint8: scratch of the CUDA prefill kernel
-      HJ_GEMM_ATTRS;
+      HJ_GEMM_ATTRS
+      .template Attr<int64_t>("a_k_order");
 }
 
 // gemm_grouped_gated(a, a_scale, w..., expert_first_token_offset) -> y, c, workspace:
@@ -589,7 +611,8 @@ auto bind_routing_grouped() {
       .template Attr<int64_t>("identity_map");
 }
 
-// permute_rows(x, permutation, expert_first_token_offset) -> y [M * top_k, cols]
+// permute_rows(x, permutation, expert_first_token_offset) -> y [M * top_k, cols]; k_order = 1: y's
+// rows in the 4-bit prefill mainloop's k order (rs4_k_order.h; check_k_order)
 template <typename PlatformCtx>
 auto bind_permute_rows() {
   return bind_base<PlatformCtx>()
@@ -597,17 +620,19 @@ auto bind_permute_rows() {
       .template Arg<AnyBuffer>()
       .template Arg<AnyBuffer>()
       .template Ret<AnyBuffer>()
-      .template Attr<int64_t>("top_k");
+      .template Attr<int64_t>("top_k")
+      .template Attr<int64_t>("k_order");
 }
 
-// activation(x) -> y
+// activation(x) -> y; k_order as permute_rows'
 template <typename PlatformCtx>
 auto bind_activation() {
   return bind_base<PlatformCtx>()
       .template Arg<AnyBuffer>()
       .template Ret<AnyBuffer>()
       .template Attr<int64_t>("activation")
-      .template Attr<float>("limit");
+      .template Attr<float>("limit")
+      .template Attr<int64_t>("k_order");
 }
 
 // activation_quant(x) -> q, scale
@@ -811,6 +836,18 @@ inline Error check_permute_rows(const std::string& call, const AnyBuffer& x, con
   return check_no_overlap(call, {span_of("y", y)},
                           {span_of("x", x), span_of("permutation", permutation),
                            span_of("expert_first_token_offset", offsets)});
+}
+
+// k_order of permute_rows and activation: 0, or 1 for 16-bit rows whose columns are a multiple of
+// the order's tile.
+inline Error check_k_order(const std::string& call, int64_t k_order, ffi::DataType type, int64_t cols) {
+  if (k_order != 0 && k_order != 1) return invalid(call, "k_order must be 0 or 1, got " + std::to_string(k_order));
+  if (k_order == 1 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
+    return invalid(call, "k_order = 1 needs 16-bit rows");
+  if (k_order == 1 && cols % kRs4OrderTile)
+    return invalid(call, "k_order = 1 needs a multiple of " + std::to_string(kRs4OrderTile) + " columns, got " +
+                             std::to_string(cols));
+  return Error::Success();
 }
 
 // activation: y [R, I] in x's dtype, apart from x.

@@ -138,7 +138,8 @@ void grouped_rows_cpu(const GemmProblem& p, const int32_t* off, int64_t R) {
 Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                      AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
                      Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
-                     int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+                     int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k,
+                     int64_t a_k_order) {
   const std::string call = "gemm_grouped";
   GemmProblem p;
   // The CPU needs no scratch: the workspace is validated and left untouched.
@@ -146,7 +147,16 @@ Error GemmGroupedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
                                         gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
                                                    has_bias, act_group_k),
                                         *c, *workspace, &p));
-  grouped_rows_cpu(p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0));
+  HJ_RETURN_IF_ERROR(check_a_k_order(call, a_k_order, &p));
+  const int64_t R = dim(a, 0);
+  std::vector<uint16_t> natural;
+  if (p.a_k_order) {  // the rows back in their natural order, in a buffer of the CPU's own
+    natural.resize(static_cast<size_t>(R * p.K));
+    const auto* src = static_cast<const uint16_t*>(p.a.data);
+    for (int64_t r = 0; r < R; ++r) rs4_order_row(src + r * p.K, natural.data() + r * p.K, p.K, /*to_order=*/false);
+    p.a.data = natural.data();
+  }
+  grouped_rows_cpu(p, static_cast<const int32_t*>(offsets.untyped_data()), R);
   return Error::Success();
 }
 

@@ -171,6 +171,33 @@ Error GemmIndexedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, 
                            limit, dim(*c, 0), p.N, p.N / 2);
 }
 
+// Rows of K 16-bit values in the 4-bit mainloop's k order (rs4_k_order.h) back in their natural
+// order: a thread a 16-byte chunk, its eight values stored at the columns rs4_k_of names.
+// K is a multiple of the order's tile, so a tile never straddles two rows.
+__global__ void natural_order_kernel(const uint4* __restrict__ x, uint16_t* __restrict__ y, int64_t chunks) {
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < chunks;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint4 v = x[idx];
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    const int64_t first = idx * 8;  // the chunk's first element, flat
+    const int64_t tile = first / kRs4OrderTile * kRs4OrderTile;
+    const int L0 = static_cast<int>(first - tile);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      y[tile + rs4_k_of(L0 + i)] = static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2)));
+  }
+}
+
+Error natural_order_rows(const std::string& call, cudaStream_t stream, const void* x, void* y, int64_t R, int64_t K) {
+  const int64_t chunks = R * K / 8;
+  if (chunks == 0) return Error::Success();
+  if (!aligned_to(x, 16)) return invalid(call, "a_k_order = 1 needs 16-byte aligned rows");
+  const int threads = 256;
+  natural_order_kernel<<<grid_for(chunks, threads), threads, 0, stream>>>(static_cast<const uint4*>(x),
+                                                                         static_cast<uint16_t*>(y), chunks);
+  return launch_status(call, "natural_order_kernel");
+}
+
 // The grouped GEMM of R rows of p.a: the prefill kernel where it suits the problem, else the
 // generic kernel. gate (gemm_grouped_gated): where the prefill kernel writes the activated rows
 // itself, *gated = true (the caller starts it false); otherwise c is written.
@@ -185,6 +212,20 @@ Error grouped_rows(const std::string& call, const GemmProblem& p, const int32_t*
       prefill::try_grouped(call, p, offsets, R, workspace, ws_bytes, stream, &prefill_ran, nullptr, gate, gated);
   if (prefill_ran || !prefill_err.success()) return prefill_err;
 #endif
+  if (p.a_k_order) {
+    // The 4-bit mainloop did not take the call (another device, or an environment that turns it off
+    // since the call was traced): the rows back in their natural order at the workspace's end (the
+    // room that mainloop's own copy of them would have taken), then whichever kernel takes them.
+    const size_t bytes = static_cast<size_t>(R) * static_cast<size_t>(p.K) * 2;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(workspace);
+    if (ws_bytes < bytes + 256) return invalid(call, "a_k_order = 1 needs a workspace for the natural rows");
+    const uintptr_t tail = (base + ws_bytes - bytes) / 256 * 256;
+    GemmProblem q = p;
+    q.a_k_order = false;
+    q.a.data = reinterpret_cast<void*>(tail);
+    HJ_RETURN_IF_ERROR(natural_order_rows(call, stream, p.a.data, reinterpret_cast<void*>(tail), R, p.K));
+    return grouped_rows(call, q, offsets, R, workspace, tail - base, stream, gate, gated);
+  }
   GemmLaunch L{};
   HJ_RETURN_IF_ERROR(prepare(call, p, &L));
   const int bm = pick_bm(R / (p.w.E > 0 ? p.w.E : 1));
@@ -202,13 +243,15 @@ Error grouped_rows(const std::string& call, const GemmProblem& p, const int32_t*
 Error GemmGroupedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale,
                       AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer offsets, Result<AnyBuffer> c,
                       Result<AnyBuffer> workspace, int64_t weight_type, int64_t group_n, int64_t group_k,
-                      int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k) {
+                      int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t act_group_k,
+                      int64_t a_k_order) {
   const std::string call = "gemm_grouped";
   GemmProblem p;
   HJ_RETURN_IF_ERROR(parse_gemm_grouped(call, a, a_scale, qweight, scale, zero, scale2, bias, offsets,
                                         gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2,
                                                    has_bias, act_group_k),
                                         *c, *workspace, &p));
+  HJ_RETURN_IF_ERROR(check_a_k_order(call, a_k_order, &p));
   return grouped_rows(call, p, static_cast<const int32_t*>(offsets.untyped_data()), dim(a, 0),
                       workspace->untyped_data(), workspace->size_bytes(), stream);
 }

@@ -420,6 +420,9 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   if (wide_kind(kind) == Kind::kU4Bf16 &&
       ws_bytes < workspace_bytes(kind, p.w.E, dev.sm_count) + mixed_scale_bytes(p.w.E, p.N, p.w.scale_cols()))
     kind = Kind::kBf16;
+  // Rows in the 4-bit mainloop's k order are that mainloop's alone: another kind takes them only after
+  // grouped_rows (gemm_cuda.cu) has put them back in their natural order.
+  if (p.a_k_order && !is_rs4(kind)) return Error::Success();
   GroupedArgs g;
   g.kind = kind;
   g.form = form;
@@ -439,6 +442,7 @@ Error try_grouped(const std::string& call, const GemmProblem& p, const int32_t* 
   g.E = p.w.E;
   g.workspace = workspace;
   g.workspace_bytes = ws_bytes;
+  g.a_k_order = p.a_k_order;
   if (gather != nullptr) {
     g.gather = gather->perm;
     g.gather_div = gather->top_k;

@@ -181,6 +181,9 @@ struct GroupedArgs {
   // A gated call (gemm_grouped_gated; kBf16Wsp on tiles of 256 tokens only): y != nullptr makes
   // the kernel write y [R, N / 2] = act(gate, up) of its rounded output rows instead of c.
   GatedOut gate{-1, 0.0f, nullptr};
+  // kFp4Bf16 / kU4Bf16Rs: a's rows are already in the mainloop's k order (rs4_k_order.h), so
+  // run_rs4 reads them as they are instead of copying them into the workspace in that order.
+  bool a_k_order = false;
 };
 
 // Token rows a grouped call gathers itself (gemm_grouped_gather): the problem's `a` is x [M, K]

@@ -16,8 +16,10 @@
 //    8t .. 8t+7 of each of its weight rows' 32-byte tile (one 8-byte shared load, conflict-free),
 //    and the decode kernel's two-instruction e2m1 -> bf16 placement pairs nibbles p and p + 4 of a
 //    word. The activations are therefore copied once, before the GEMM, into the workspace in the
-//    matching order (permute4_kernel, rs4_k_of below): logical k L = 16 j + 8 s + 2 t + h of the
-//    tile holds the activation of physical k 16 t + 8 (j >> 1) + 2 (j & 1) + s + 4 h.
+//    matching order (permute4_kernel, rs4_k_of in rs4_k_order.h): logical k L = 16 j + 8 s + 2 t + h
+//    of the tile holds the activation of physical k 16 t + 8 (j >> 1) + 2 (j & 1) + s + 4 h; or the
+//    caller's rows are already in it (GroupedArgs::a_k_order: permute_rows and the activation write
+//    them so for the grouped class) and are read where they are.
 //  * Each 32-k scale group lies in one lane's bytes (t >> 1 picks the group), so the scale is
 //    applied in registers before the MMA: w' = bf16(e2m1 * 2^(s-127)) exactly, as the contract's
 //    float32-then-round gives (one bf16 multiply of exact factors; fp4_factors). uint4: the
@@ -51,6 +53,7 @@
 #include "gemm_decode_sm90.cuh"
 #include "gemm_prefill_sm90.h"
 #include "mbarrier_sm90.cuh"
+#include "rs4_k_order.h"
 #include "tensor_map.h"
 #include "tile_list.cuh"
 #include "wgmma_sm90.cuh"
@@ -83,18 +86,16 @@ constexpr int kOutStride = kRows * 2 + 16;       // epilogue staging row (bytes)
 constexpr int kRingBytes = kStages * (kActBytes + kCodeBytes);
 constexpr int kSmem = (kRingBytes > kMaxTokens * kOutStride ? kRingBytes : kMaxTokens * kOutStride) + 1024;
 
-// Physical k (within a 64-k tile) of the activation that logical position L of the permuted tile
-// holds. The mapping of the lanes' code bytes onto wgmma's A fragment (module comment).
-__host__ __device__ constexpr int rs4_k_of(int L) {
-  return 16 * ((L >> 1) & 3) + 8 * (L >> 5) + 2 * ((L >> 4) & 1) + ((L >> 3) & 1) + 4 * (L & 1);
-}
+// rs4_k_of (rs4_k_order.h): physical k (within a 64-k tile) of the activation that logical position
+// L of the permuted tile holds, the mapping of the lanes' code bytes onto wgmma's A fragment (module
+// comment).
 
 // The codes' format: e2m1 with e8m0 scales per 32 k, or uint4 (offset 8) with bf16 scales per
 // group_k (whole 64-k tiles).
 enum class Codes : int { kE2M1 = 0, kU4 = 1 };
 
 struct Params4 {
-  const __nv_bfloat16* a;   // permuted activations [R, K] (workspace)
+  const __nv_bfloat16* a;   // permuted activations [R, K] (workspace, or the caller's rows: a_k_order)
   const uint8_t* w;         // [E, N, K / 2] codes, low nibble first
   const void* scale;        // e2m1: [E, N, K / 32] e8m0; uint4: [E, N, scale_cols] bf16
   int scale_cols;           // uint4: scale columns per weight row
@@ -1315,7 +1316,15 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   }
   cudaError_t err;
   const int64_t ktiles = g.R * (g.K / kBK);
-  if (ktiles > 0) {
+  // Rows already in the k order (g.a_k_order: permute_rows or the activation wrote them so) are read
+  // where they are; TMA needs a 16-byte aligned base, else they are copied as they are.
+  const bool a_in_place = g.a_k_order && reinterpret_cast<uintptr_t>(g.a) % 16 == 0;
+  const __nv_bfloat16* act_in = a_in_place ? static_cast<const __nv_bfloat16*>(g.a) : act;
+  if (g.a_k_order && !a_in_place && ktiles > 0) {
+    err = cudaMemcpyAsync(act, g.a, static_cast<size_t>(g.R) * static_cast<size_t>(g.K) * 2, cudaMemcpyDeviceToDevice,
+                          stream);
+    if (err != cudaSuccess) return std::string("copying the ordered activations: ") + cudaGetErrorString(err);
+  } else if (!g.a_k_order && ktiles > 0) {
     const int64_t pblocks = std::min<int64_t>((ktiles + 8 * kPermuteTiles - 1) / (8 * kPermuteTiles), int64_t{dev.sm_count} * 16);
     permute4_kernel<<<static_cast<unsigned>(pblocks), 256, 0, stream>>>(static_cast<const uint16_t*>(g.a),
                                                                            reinterpret_cast<uint16_t*>(act), ktiles);
@@ -1323,7 +1332,7 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     if (err != cudaSuccess) return std::string("permute4_kernel: ") + cudaGetErrorString(err);
   }
   Params4 P;
-  P.a = act;
+  P.a = act_in;
   P.w = static_cast<const uint8_t*>(g.w);
   P.scale = g.w_scale_raw;
   P.scale_cols = static_cast<int>(g.scale_cols);
@@ -1346,7 +1355,7 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     Ws4Params W{};
     W.P = P;
     // The persistent form's codes boxes hold 256 rows (a box dimension holds at most 256).
-    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act, g.R, persistent ? 256 : rows_cta);
+    const std::string e = ws_tensor_maps(W, g.w, g.E, g.N, g.K, act_in, g.R, persistent ? 256 : rows_cta);
     if (!e.empty()) return e;
     // A persistent form takes the scales by TMA (WspShape::kTmaScales) where a row's scales span
     // whole 16 bytes (uint4: scale_cols % 8 == 0; e2m1: K % 512 == 0) and the tensor is 16-byte

@@ -85,13 +85,15 @@ Error RoutingGroupedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuff
 }
 
 Error PermuteRowsCpu(AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets, Result<AnyBuffer> y,
-                     int64_t top_k) {
+                     int64_t top_k, int64_t k_order) {
   const std::string call = "permute_rows";
   PermuteShape ps;
   HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &ps));
+  HJ_RETURN_IF_ERROR(check_k_order(call, k_order, x.element_type(), ps.cols));
   const int32_t* off = static_cast<const int32_t*>(offsets.untyped_data());
   permute_rows_cpu(x.untyped_data(), static_cast<const int32_t*>(permutation.untyped_data()), off[dim(offsets, 0) - 1],
                    ps.R, static_cast<size_t>(ps.cols) * ffi::ByteWidth(x.element_type()), top_k, y->untyped_data());
+  if (k_order == 1) rs4_order_rows_in_place(static_cast<uint16_t*>(y->untyped_data()), ps.R, ps.cols);
   return Error::Success();
 }
 

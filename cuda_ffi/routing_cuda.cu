@@ -23,6 +23,7 @@
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 #include "grouped_rows.cuh"
+#include "rs4_k_order.cuh"
 
 namespace hj {
 namespace {
@@ -465,11 +466,50 @@ Error launch_permute(const std::string& call, cudaStream_t stream, const void* x
   return launch_status(call, "permute_rows_kernel");
 }
 
+// permute_rows with k_order = 1 (16-byte aligned rows, fewer than 2^31 16-byte chunks): a thread
+// loads 8 consecutive columns of the source row (one 16-byte load) and the 8 threads of a 64-column
+// tile trade them into the order (rs4_trade_chunk, rs4_k_order.h). The loop runs warp-uniformly
+// (a row's chunk count is a multiple of 8, so a tile's lanes are in or out together).
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_rows_ordered_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ perm,
+                                const int32_t* __restrict__ offsets, int64_t num_offsets, int64_t R, uint32_t chunks,
+                                int64_t top_k, uint4* __restrict__ y) {
+  __shared__ uint4 trade[kPermuteThreads];
+  const int64_t valid = valid_rows(offsets, num_offsets, R);
+  const uint32_t total = static_cast<uint32_t>(R) * chunks;
+  const uint32_t warp_base = (blockIdx.x * kPermuteThreads + threadIdx.x) & ~31u;
+  for (uint32_t base = warp_base; base < total; base += gridDim.x * kPermuteThreads) {
+    const uint32_t idx = base + (threadIdx.x & 31u);
+    const bool ok = idx < total;
+    uint4 mine{};
+    if (ok) {
+      const uint32_t p = idx / chunks, q = idx - p * chunks;
+      const int64_t id = p < valid ? __ldg(perm + p) : -1;
+      if (id >= 0 && id < R) mine = __ldg(x + (id / top_k) * chunks + q);
+    }
+    const uint4 out = rs4_trade_chunk(mine, trade, ok);
+    if (ok) y[idx] = out;
+  }
+}
+
 Error PermuteRowsCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets,
-                      Result<AnyBuffer> y, int64_t top_k) {
+                      Result<AnyBuffer> y, int64_t top_k, int64_t k_order) {
   const std::string call = "permute_rows";
   PermuteShape s;
   HJ_RETURN_IF_ERROR(check_permute_rows(call, x, permutation, offsets, *y, top_k, &s));
+  HJ_RETURN_IF_ERROR(check_k_order(call, k_order, x.element_type(), s.cols));
+  if (k_order == 1) {
+    if (s.R == 0 || s.cols == 0) return Error::Success();
+    if (!aligned_to(y->untyped_data(), 16)) return invalid(call, "k_order = 1 needs a 16-byte aligned y");
+    if (!aligned_to(x.untyped_data(), 16)) return invalid(call, "k_order = 1 needs a 16-byte aligned x");
+    if (s.R * (s.cols / 8) >= INT32_MAX) return invalid(call, "k_order = 1 takes fewer than 2^31 16-byte chunks");
+    const auto chunks = static_cast<uint32_t>(s.cols / 8);
+    permute_rows_ordered_kernel<<<grid_for(s.R * chunks, kPermuteThreads), kPermuteThreads, 0, stream>>>(
+        static_cast<const uint4*>(x.untyped_data()), static_cast<const int32_t*>(permutation.untyped_data()),
+        static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, chunks, top_k,
+        static_cast<uint4*>(y->untyped_data()));
+    return launch_status(call, "permute_rows_ordered_kernel");
+  }
   const int64_t row_bytes = s.cols * static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   return permute_rows_into(call, stream, x.untyped_data(), static_cast<const int32_t*>(permutation.untyped_data()),
                            static_cast<const int32_t*>(offsets.untyped_data()), s.num_offsets, s.R, row_bytes, top_k,

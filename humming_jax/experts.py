@@ -295,6 +295,7 @@ class GroupedExperts(_StandardExperts):
 
     def _experts(self, x, weights, ids, emap, activation, limit):
         k = ids.shape[1]
+        rows = x.shape[0] * k
         routing = routing_ops.routing_grouped(ids, emap, weights.num_experts)
         quant = act_quant_params(weights.act_key)
         offsets = routing.expert_first_token_offset
@@ -309,8 +310,10 @@ class GroupedExperts(_StandardExperts):
             d = gemm_ops.gemm_grouped(a2, None, weights.w2, weights.b2, offsets, out_dtype=x.dtype)
             return d, routing.src_rows
         elif quant is None:
-            gu = gemm_ops.gemm_grouped(routing_ops.permute_rows(x, routing, k), None, weights.w13, weights.b13,
-                                       offsets, out_dtype=x.dtype)
+            # Rows for the 4-bit mainloop are permuted straight into its k order (gemm.rs4_act_order).
+            order1 = gemm_ops.rs4_act_order(rows, weights.w13, x.dtype, x.dtype)
+            gu = gemm_ops.gemm_grouped(routing_ops.permute_rows(x, routing, k, k_order=order1), None, weights.w13,
+                                       weights.b13, offsets, out_dtype=x.dtype, a_k_order=order1)
         else:
             # The M token rows are quantized, then codes and scales permuted: the same rows as
             # quantizing the M * k permuted ones (the quantization is per row), for 1/k of the work.
@@ -324,8 +327,10 @@ class GroupedExperts(_StandardExperts):
                 a, a_scale = routing_ops.permute_rows(q, routing, k), routing_ops.permute_rows(s, routing, k)
             gu = gemm_ops.gemm_grouped(a, a_scale, weights.w13, weights.b13, offsets, out_dtype=x.dtype,
                                        act_group_k=quant[1])
-        a2, a2_scale, agk2 = _activate(gu, activation, limit, quant)
-        d = gemm_ops.gemm_grouped(a2, a2_scale, weights.w2, weights.b2, offsets, out_dtype=x.dtype, act_group_k=agk2)
+        order2 = quant is None and gemm_ops.rs4_act_order(rows, weights.w2, x.dtype, x.dtype)
+        a2, a2_scale, agk2 = _activate(gu, activation, limit, quant, k_order=order2)
+        d = gemm_ops.gemm_grouped(a2, a2_scale, weights.w2, weights.b2, offsets, out_dtype=x.dtype, act_group_k=agk2,
+                                  a_k_order=order2)
         return d, routing.src_rows
 
 
@@ -388,11 +393,12 @@ class BatchedExperts(FusedMoEExperts):
 
 
 def _activate(
-    gu: jax.Array, activation: str, limit: float | None, quant: tuple[str, int] | None
+    gu: jax.Array, activation: str, limit: float | None, quant: tuple[str, int] | None, *, k_order: bool = False
 ) -> tuple[jax.Array, jax.Array | None, int]:
-    """The activation, fused with dynamic quantization for 8-bit-activation schemes."""
+    """The activation, fused with dynamic quantization for 8-bit-activation schemes; k_order: the
+    16-bit rows in the 4-bit mainloop's k order (act_ops.activation)."""
     if quant is None:
-        return act_ops.activation(gu, activation, limit), None, 0
+        return act_ops.activation(gu, activation, limit, k_order=k_order), None, 0
     q, s = act_ops.activation_quant(gu, activation, limit, quant[0], quant[1])
     return q, s, quant[1]
 

@@ -67,11 +67,14 @@ def custom_weight(wtype, e, n, k, gk, **kw):
     return random_packed_weight(rng, wtype, e, n, k, gk, **kw)
 
 
-def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather=False, gated=None):
+def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather=False, gated=None,
+                    k_order=False):
     """One grouped prefill GEMM: routing, permutation, (quantization,) gemm_grouped; ``experts`` are
     the ids drawn (others receive nothing), 5% of the entries padding. ``gather`` (16-bit
     activations): gemm_grouped_gather instead, the rows read through the permutation. ``gated`` (a
-    gated activation, 16-bit activations): gemm_grouped_gated, the activation in the GEMM's call."""
+    gated activation, 16-bit activations): gemm_grouped_gated, the activation in the GEMM's call.
+    ``k_order`` (a call the 4-bit mainloop takes): the rows permuted into its k order and read in
+    place (a_k_order)."""
     spec = SCHEMES[scheme]
     w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
     bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
@@ -85,7 +88,10 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather
         if gather and quant is None:
             return gemm_ops.gemm_grouped_gather(x, w, bias, r.permutation, r.expert_first_token_offset, topk,
                                                 out_dtype=spec.default_dtype)
-        xp = routing_ops.permute_rows(x, r, topk)
+        xp = routing_ops.permute_rows(x, r, topk, k_order=k_order)
+        if k_order:
+            return gemm_ops.gemm_grouped(xp, None, w, bias, r.expert_first_token_offset, out_dtype=spec.default_dtype,
+                                         a_k_order=True)
         if gated and quant is None:
             return gemm_ops.gemm_grouped_gated(xp, w, bias, r.expert_first_token_offset, out_dtype=spec.default_dtype,
                                                activation=gated, limit=7.0 if gated == "swigluoai" else None)
@@ -111,12 +117,39 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather
 def rs4_many_items():
     """The 4-bit mainloop with more work items than SMs in every form (~140 rows on each of 64
     experts, N = 512, 8 k tiles): the persistent forms' CTAs take several items, their rings
-    running on across them."""
+    running on across them; also with the rows in the mainloop's k order."""
     for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
         prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64))
+        prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64), k_order=True)
     # K = 2048: the persistent forms' scales by TMA, two windows an item (uint4) or four (e2m1).
     for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
         prefill_grouped(scheme, 2400, e=64, n=512, k=2048, topk=4, experts=range(64))
+
+
+def rs4_k_order_paths():
+    """The k order's own kernels: the activation writing it (a row of 320 columns: five tiles), and
+    a gemm_grouped call given k-ordered rows that the 4-bit mainloop turns down
+    ($HUMMING_JAX_PREFILL_FP4=0 while it is traced and run): the handler's copy back into the
+    natural order at the workspace's end, then the kernel that takes the call."""
+    y = jnp.asarray(rng.standard_normal((300, 640)), jnp.bfloat16)
+    run(lambda y: act_ops.activation(y, "silu", k_order=True), y)
+    spec = SCHEMES["w4a16-mxfp4"]
+    e, n, k, rows = 3, 384, 256, 96  # 32 rows per expert
+    w = spec.quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, spec.default_dtype)
+    a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    off = jnp.asarray([0, 40, 40, 90], jnp.int32)
+    ws = gemm_ops._grouped_workspace(rows, jnp.bfloat16, None, w, jnp.bfloat16)
+    ops, attrs = gemm_ops._operands(a, None, w, None, 0)
+    shapes = (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+    saved = os.environ.get("HUMMING_JAX_PREFILL_FP4")
+    os.environ["HUMMING_JAX_PREFILL_FP4"] = "0"
+    try:
+        run(lambda *o: hj._ffi.call("gemm_grouped", shapes, *o, **attrs, a_k_order=1)[0], *ops, off)
+    finally:
+        if saved is None:
+            os.environ.pop("HUMMING_JAX_PREFILL_FP4")
+        else:
+            os.environ["HUMMING_JAX_PREFILL_FP4"] = saved
 
 
 def wsp_many_items():
@@ -155,7 +188,9 @@ def main() -> None:
         # HUMMING_JAX_PREFILL_RS4_WS).
         for scheme, m in itertools.product(("w4a16-int4-g128", "w4a16-mxfp4"), (300, 60)):
             prefill_grouped(scheme, m)
+            prefill_grouped(scheme, m, k_order=True)
         rs4_many_items()
+        rs4_k_order_paths()
         print(f"sanitize_driver: {calls} jitted calls completed (--rs4)")
         return
     if "--fp8-ring" in sys.argv:
@@ -242,6 +277,7 @@ def main() -> None:
     for m, act in itertools.product((1200, 300), ("silu", "swigluoai")):  # the gated epilogue, both clusters
         prefill_grouped("bf16", m, gated=act)
     rs4_many_items()
+    rs4_k_order_paths()
     wsp_many_items()
     # Activation, fused quantization, quantization, finalize.
     x = jnp.asarray(rng.standard_normal((9, 2 * 136)), jnp.bfloat16)

@@ -77,6 +77,35 @@ def _bench(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+def test_bench_moe_gemms_part_hands_the_grouped_class_k_ordered_rows(tmp_path):
+    """At a point the 4-bit mainloop takes (tiny mxfp4, 32 rows per expert), the grouped class asks
+    permute_rows for rows in the mainloop's k order; the gemms part's prepared rows must come in that
+    order too (jax_systems._fixed_routing), else the part would fail or time wrong values."""
+    out = tmp_path / "order.json"
+    proc = _bench(out, "--formats", "w4a16-mxfp4", "--tokens", "128", "--systems", "humming_jax/grouped",
+                  "--parts", "gemms", "--all-parts")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["part"]) for r in rows] == [("humming_jax/grouped", "gemms")]
+    assert rows[0].get("error") is None and rows[0]["median_ms"] > 0
+
+
+def test_fixed_routing_gives_the_rows_in_the_order_asked_for():
+    """The gemms part's stand-in for permute_rows returns the prepared rows in the order the class
+    asks for (k_order), and refuses an order that was not prepared."""
+    import jax_systems as js
+    from humming_jax.ops import routing as routing_ops
+
+    natural, ordered = np.zeros((4, 64)), np.ones((4, 64))
+    with js._fixed_routing(None, None, (natural, ordered)) as used:
+        assert routing_ops.permute_rows("x", "routing", 2) is natural
+        assert routing_ops.permute_rows("x", "routing", 2, k_order=True) is ordered
+    assert used["n"] == 2
+    with js._fixed_routing(None, None, (natural, None)):
+        with pytest.raises(RuntimeError, match="k order"):
+            routing_ops.permute_rows("x", "routing", 2, k_order=True)
+
+
 def test_bench_moe_stops_at_its_time_budget(tmp_path):
     out = tmp_path / "budget.json"
     proc = _bench(out, "--time-budget-s", "0.001")

@@ -954,7 +954,7 @@ def test_prefill_rejects_a_too_small_workspace(rng, monkeypatch, switch, ws, kin
     p = _gemm_inputs(rng, "bf16", 1024, 2, 8, 256, 256, "uniform")
     ops, attrs = gemm_ops._operands(p["a"], None, p["w"], None, 0)
     shapes = (jax.ShapeDtypeStruct((p["a"].shape[0], 256), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8))
-    f = jax.jit(lambda *ops: _ffi.call("gemm_grouped", shapes, *ops, **attrs))
+    f = jax.jit(lambda *ops: _ffi.call("gemm_grouped", shapes, *ops, **attrs, a_k_order=0))
     with pytest.raises(Exception, match=rf"the {kind} prefill kernel needs \d+"):
         jax.block_until_ready(f(*ops, p["off"]))
 
@@ -983,6 +983,58 @@ def test_prefill_layer_against_oracle_with_poisoned_out(rng, scheme, bias, e_glo
     assert np.all(np.isfinite(_to_np(got)))
     err = relative_error(got, want)
     assert err <= tol, f"{scheme}: relative error {err:.2e} > {tol:.1e}"
+
+
+@requires_prefill
+@pytest.mark.parametrize("scheme,m", [("w4a16-mxfp4", 1024), ("w4a16-int4-g128", 512), ("w4a16-mxfp4", 128)])
+def test_rs4_act_order_gives_the_natural_orders_bits(rng, monkeypatch, scheme, m):
+    """The grouped class on the 4-bit mainloop with its rows written in the mainloop's k order
+    (permute_rows and the activation, gemm.rs4_act_order) against the same layer with
+    $HUMMING_JAX_RS4_ACT_ORDER=0 (rows copied into that order by the GEMM): the same bits, both
+    GEMMs on the mainloop. Then GEMM1 as a raw call with k-ordered rows and the workspace the
+    wrapper sizes for the mainloop, traced after $HUMMING_JAX_PREFILL_FP4=0 / _U4RS=0 turned the
+    mainloop off (the wrapper itself only sends the order to calls the mainloop takes; a fresh trace,
+    so the handler runs, command buffers or not): the handler puts the rows back in their natural
+    order for the kernel that takes the call, as the CPU's natural-order call up to accumulation
+    order."""
+    for var in (gemm_ops.ENV_RS4_ACT_ORDER, gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS,
+                gemm_ops.ENV_PREFILL_MIXED):
+        monkeypatch.delenv(var, raising=False)
+    layer = random_layer(rng, m=m, e=8, h=512, i=256, k=2, scheme=scheme)  # 256 / 128 / 32 rows per expert
+    args = jax.device_put((layer.x, layer.weights, layer.topk_weights, layer.topk_ids), GPU)
+    rows = m * 2
+    assert gemm_ops.rs4_act_order(rows, layer.weights.w13, jnp.bfloat16) and gemm_ops.rs4_act_order(
+        rows, layer.weights.w2, jnp.bfloat16)
+
+    def run(f):
+        out = jax.device_put(nan_out(layer.x.shape, layer.x.dtype), GPU)
+        return _to_np(jax.block_until_ready(f(out, *args)))
+
+    ordered_f = jax.jit(lambda out, x, w, tw, ids: GroupedExperts().apply(out, x, w, tw, ids))
+    with _LaunchCount(_RS4_TWO_SLAB_LAUNCHES) as two, _LaunchCount(_RS4_ONE_SLAB_LAUNCHES) as one:
+        ordered = run(ordered_f)
+    assert two.count + one.count == 2, f"{scheme}: both GEMMs on the 4-bit mainloop ({two.count} + {one.count})"
+    monkeypatch.setenv(gemm_ops.ENV_RS4_ACT_ORDER, "0")
+    natural = run(jax.jit(lambda out, x, w, tw, ids: GroupedExperts().apply(out, x, w, tw, ids)))
+    assert np.all(np.isfinite(ordered))
+    np.testing.assert_array_equal(ordered, natural, err_msg=f"{scheme} M={m}: k-ordered rows differ")
+    monkeypatch.delenv(gemm_ops.ENV_RS4_ACT_ORDER)
+    w = layer.weights.w13
+    r = routing_ops.routing_grouped(layer.topk_ids, jnp.arange(8, dtype=jnp.int32), 8)
+    a = routing_ops.permute_rows(layer.x, r, 2)
+    a_ordered = jnp.asarray(_to_np(a)[:, gemm_ops.rs4_column_order(a.shape[1])], jnp.bfloat16)
+    ws = gemm_ops._grouped_workspace(rows, jnp.bfloat16, None, w, jnp.bfloat16)  # with the mainloop's room
+    ops, attrs = gemm_ops._operands(a_ordered, None, w, None, 0)
+    shapes = (jax.ShapeDtypeStruct((rows, w.n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8))
+    off = r.expert_first_token_offset
+    want = _run_on(CPU, lambda a, o, w: {"c": gemm_ops.gemm_grouped(a, None, w, None, o, out_dtype=jnp.bfloat16)},
+                   (a, off, w))["c"]
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4 if scheme == "w4a16-mxfp4" else gemm_ops.ENV_PREFILL_U4RS, "0")
+    with _LaunchCount(_RS4_TWO_SLAB_LAUNCHES) as two, _LaunchCount(_RS4_ONE_SLAB_LAUNCHES) as one:
+        got = _run_on(GPU, lambda *o: {"c": _ffi.call("gemm_grouped", shapes, *o, **attrs, a_k_order=1)[0]},
+                      (*ops, off))["c"]
+    assert two.count + one.count == 0, f"{scheme}: the 4-bit mainloop ran though switched off"
+    _assert_close(got, want, jnp.bfloat16, f"{scheme} M={m}: the natural rows back from the k order")
 
 
 @requires_prefill

@@ -207,6 +207,7 @@ def _raw_call(a, w, off, workspace):
         *ops,
         off,
         **attrs,
+        a_k_order=0,
     )
 
 

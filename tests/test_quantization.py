@@ -263,7 +263,7 @@ def test_workspace_rule_paths_run_clean(rng, path, cls):
 def _activation_call(x: jax.Array, aliases: dict[int, int]) -> jax.Array:
     return jax.ffi.ffi_call(
         "humming_jax.activation", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases=aliases
-    )(x, activation=np.int64(int(ActivationCode.SILU_NO_MUL)), limit=np.float32(-1.0))
+    )(x, activation=np.int64(int(ActivationCode.SILU_NO_MUL)), limit=np.float32(-1.0), k_order=np.int64(0))
 
 
 def test_overlap_check_fires_on_the_16bit_path(rng):

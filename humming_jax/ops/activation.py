@@ -23,8 +23,12 @@ def _quant_shapes(rows: int, cols: int, quant: str, group_k: int) -> tuple[jax.S
     )
 
 
-def activation(x: jax.Array, name: str, limit: float | None = None) -> jax.Array:
-    """[R, N1] -> [R, I] in x's dtype."""
+def activation(x: jax.Array, name: str, limit: float | None = None, *, k_order: bool = False) -> jax.Array:
+    """[R, N1] -> [R, I] in x's dtype.
+
+    ``k_order=True`` writes each row's columns in the 4-bit prefill mainloop's k order
+    (``gemm.rs4_column_order``; I a multiple of 64) for a ``gemm_grouped`` call given
+    ``a_k_order=True``."""
     spec, lim = get_activation(name, limit)
     cols = x.shape[1] // 2 if spec.gated else x.shape[1]
     return _ffi.call(
@@ -33,6 +37,7 @@ def activation(x: jax.Array, name: str, limit: float | None = None) -> jax.Array
         x,
         activation=int(spec.code),
         limit=lim,
+        k_order=int(k_order),
     )
 
 

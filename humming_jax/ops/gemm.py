@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _ffi
 from .._abi import WeightType
@@ -377,6 +378,45 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
             and rows < u4rs_max_rows_per_expert() * e and -(-rows // 32) + e + 1 <= 65535)
 
 
+# The 4-bit mainloop's k order (cuda_ffi/rs4_k_order.h): within each 64-column tile, logical column L
+# holds physical column rs4_k_of(L). For a gemm_grouped call that mainloop takes, the grouped class has
+# permute_rows (GEMM1) and the activation (GEMM2) write their rows in this order and tells the call so
+# (a_k_order), which then reads them where they are instead of copying them into that order first.
+# Where the call runs on another kernel after all (another GPU, or a switch set since it was traced),
+# the CUDA handler first puts the rows back in their natural order. $HUMMING_JAX_RS4_ACT_ORDER=0
+# (read when the class is traced) keeps the natural order throughout (A/B timing).
+RS4_ORDER_TILE = 64
+ENV_RS4_ACT_ORDER = "HUMMING_JAX_RS4_ACT_ORDER"
+
+
+def rs4_k_of(logical: int) -> int:
+    """Physical column, within a 64-column tile, of the value logical column ``logical`` holds."""
+    L = logical
+    return 16 * ((L >> 1) & 3) + 8 * (L >> 5) + 2 * ((L >> 4) & 1) + ((L >> 3) & 1) + 4 * (L & 1)
+
+
+def rs4_column_order(cols: int) -> np.ndarray:
+    """For each logical column of a row in the k order, the physical column it holds
+    (``y[:, L] = x[:, order[L]]``); ``cols`` a multiple of 64."""
+    if cols % RS4_ORDER_TILE:
+        raise ValueError(f"the 4-bit mainloop's k order needs a multiple of {RS4_ORDER_TILE} columns, got {cols}")
+    tile = np.array([rs4_k_of(L) for L in range(RS4_ORDER_TILE)], np.int64)
+    return (np.arange(0, cols, RS4_ORDER_TILE)[:, None] + tile[None, :]).reshape(-1)
+
+
+def rs4_act_order(rows: int, w: PackedWeight, act_dtype: Any, out_dtype: Any = jnp.bfloat16,
+                  act_quantized: bool = False) -> bool:
+    """Whether the grouped class hands this ``gemm_grouped`` call its rows in the 4-bit mainloop's k
+    order: a call that mainloop takes (``fp4_prefill``, ``u4rs_prefill``), unless
+    $HUMMING_JAX_RS4_ACT_ORDER=0 or $HUMMING_JAX_PREFILL=0."""
+    switch = os.environ.get(ENV_RS4_ACT_ORDER, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{ENV_RS4_ACT_ORDER} = {switch!r} is not 0 or 1")
+    if switch == "0" or os.environ.get("HUMMING_JAX_PREFILL", "") == "0" or act_quantized:
+        return False
+    return bool(fp4_prefill(rows, w, act_dtype, False, out_dtype) or u4rs_prefill(rows, w, act_dtype, False, out_dtype))
+
+
 # The 4-bit mainloop's warp-specialized forms (cuda_ffi/gemm_prefill_sm90_4bit.cu): gemm4_ws_kernel,
 # a producer warp loading by TMA, tiles of at most 96 token rows (32 with two weight slabs per
 # warpgroup); gemm4_wsp_kernel, one persistent CTA per SM with four consumer warpgroups of two slabs
@@ -487,12 +527,19 @@ def gemm_grouped(
     *,
     out_dtype: Any,
     act_group_k: int = 0,
+    a_k_order: bool = False,
 ) -> jax.Array:
     """Rows [off[e], off[e+1]) of a use expert e; rows past off[E] become zeros: [R, N].
 
-    The call also returns a uint8 workspace (an XLA value, so its buffer is apart from every
-    other live one); it is dropped here."""
+    ``a_k_order=True``: a's columns are in the 4-bit prefill mainloop's k order
+    (``rs4_column_order``), as ``permute_rows`` and ``activation`` write them with ``k_order=True``;
+    only for calls ``rs4_act_order`` accepts. The call also returns a uint8 workspace (an XLA value,
+    so its buffer is apart from every other live one); it is dropped here."""
+    if a_k_order and not rs4_act_order(a.shape[0], w, a.dtype, out_dtype, a_scale is not None):
+        raise ValueError("gemm_grouped: a_k_order=True is for calls on the 4-bit prefill mainloop "
+                         "(rs4_act_order), not for this one")
     ops, attrs = _operands(a, a_scale, w, bias, act_group_k)
+    attrs["a_k_order"] = int(a_k_order)
     c, _workspace = _ffi.call(
         "gemm_grouped",
         (

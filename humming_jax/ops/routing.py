@@ -88,8 +88,12 @@ def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array | None, num_local
     return GroupedRouting(*out)
 
 
-def permute_rows(x: jax.Array, routing: GroupedRouting, top_k: int) -> jax.Array:
-    """y[p] = x[permutation[p] // top_k] for valid positions, zeros elsewhere: [M*k, cols]."""
+def permute_rows(x: jax.Array, routing: GroupedRouting, top_k: int, *, k_order: bool = False) -> jax.Array:
+    """y[p] = x[permutation[p] // top_k] for valid positions, zeros elsewhere: [M*k, cols].
+
+    ``k_order=True`` writes each row's columns in the 4-bit prefill mainloop's k order
+    (``gemm.rs4_column_order``; 16-bit rows, cols a multiple of 64) for a ``gemm_grouped`` call
+    given ``a_k_order=True``."""
     rows = routing.permutation.shape[0]
     return _ffi.call(
         "permute_rows",
@@ -98,4 +102,5 @@ def permute_rows(x: jax.Array, routing: GroupedRouting, top_k: int) -> jax.Array
         routing.permutation,
         routing.expert_first_token_offset,
         top_k=top_k,
+        k_order=int(k_order),
     )

@@ -110,16 +110,18 @@ constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The range of rows per expert (on average) of the kinds on our 4-bit mainloop: up to below these.
 // uint4 against the CUTLASS kinds (tiles of 128 tokens up to 255 rows per expert, so two from 129
-// rows as the mainloop's; of 256 from 256 rows), the mainloop in its persistent form (H100,
-// benchmarks/results/h100/2026-12-06-v26-call{5,6,7}-sweep-u4rs-*.json): 1.12-1.28x faster at
-// 192-240 rows per expert, 0.96-0.99x at 256, and again 1.05-1.25x at 288-320, 0.86-1.03x from 384.
+// rows as the mainloop's; of 256 from 256 rows), the mainloop in its persistent form reading the
+// grouped class's k-ordered rows (H100, benchmarks/results/h100/2026-12-06-v26-call{5,6,7}-*.json,
+// 2026-12-06-v27-call4-sweep-u4rs-band.json): 1.12-1.28x faster at 192-240 rows per expert, 1.21-1.24x
+// at 272-352 (deepseek and mixtral shapes); from 384 not measured with the k order yet.
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
-constexpr int64_t kU4RsMaxRowsPerExpert = 256;
-// ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): at 16
-// rows per expert the mainloop's persistent forms streamed the weights 1.3-1.45x faster than the
-// decode kernel (deepseek and mixtral shapes, int4 and mxfp4), at 8 as fast, at 4 slower
-// (benchmarks/NOTES.md, v25). HUMMING_JAX_PREFILL_MIN_ROWS=n > 0 replaces both bounds.
-constexpr int64_t kRs4MinRowsPerExpert = 16;
+constexpr int64_t kU4RsMaxRowsPerExpert = 384;
+// ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): with
+// the grouped class's rows k-ordered, at 8 rows per expert the mainloop's persistent forms took
+// 0.82-0.95x the decode kernel's time at deepseek and qwen3 shapes (int4 and mxfp4), 0.99-1.03x at
+// mixtral's; at 4 mixtral's took 1.13-1.15x (benchmarks/NOTES.md, v27). At 16: 0.69-0.77x (v25).
+// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0 replaces both bounds.
+constexpr int64_t kRs4MinRowsPerExpert = 8;
 
 // The device the call runs on, as the dispatch needs it (cached per device).
 struct DeviceInfo {

@@ -17,8 +17,7 @@ _STANDARD_CHOICES = ("indexed", "grouped", "auto")
 GROUPED_MIN_ROWS_PER_EXPERT = MIN_ROWS_PER_EXPERT
 # Weights our 4-bit mainloop takes with 16-bit activations (MXFP4; symmetric int4 with bf16 scales
 # per whole 64-k groups or per row) run the grouped GEMM from RS4_MIN_ROWS_PER_EXPERT on: there its
-# persistent forms stream the weights 1.3-1.45x faster than the indexed class's decode kernel
-# (benchmarks/NOTES.md, v25).
+# persistent forms stream the weights faster than the decode kernel (benchmarks/NOTES.md, v25, v27).
 GROUPED_MIN_ROWS_PER_EXPERT_4BIT = RS4_MIN_ROWS_PER_EXPERT
 
 

@@ -336,7 +336,8 @@ FP4_CASES = [
     # into near-equal parts of at most 128 (wgmma N: the part's rows rounded up to 16).
     (256, 2, 8, 384, 512, "uniform", True),  # 64 rows per expert
     (128, 2, 8, 384, 512, "uniform", False),  # 32
-    (64, 2, 8, 384, 512, "uniform", False),  # 16, the least the kind takes (else the decode kernel's)
+    (64, 2, 8, 384, 512, "uniform", False),  # 16
+    (32, 2, 8, 384, 512, "uniform", True),  # 8, the least the kind takes (else the decode kernel's)
     (96, 2, 8, 264, 2048, "tail", True),  # 24: the persistent forms below the other kinds' bound
     (192, 2, 8, 264, 384, "tail", True),  # 48; N not a multiple of the tile; rows past off[E]
     (512, 8, 64, 384, 640, "zero_rows", True),  # 64 on average, ~190 on the used experts: several tiles each
@@ -356,11 +357,13 @@ FP4_CASES = [
 U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, N, K, routing, bias, group_k)
     (256, 2, 8, 384, 512, "uniform", True, 128),  # 64 rows per expert
     (128, 2, 8, 384, 512, "uniform", False, 128),  # 32
-    (64, 2, 8, 384, 512, "uniform", False, 128),  # 16, the least the kind takes (else the decode kernel's)
+    (64, 2, 8, 384, 512, "uniform", False, 128),  # 16
+    (32, 2, 8, 384, 512, "uniform", True, 128),  # 8, the least the kind takes (else the decode kernel's)
     (96, 2, 8, 264, 2048, "tail", True, 128),  # 24: below the mixed-input kinds' bound
     (192, 2, 8, 264, 384, "tail", True, 128),  # 48; N not a multiple of the tile; rows past off[E]
     (512, 8, 64, 384, 640, "zero_rows", True, 128),  # ~190 on the used experts: several tiles each
     (896, 2, 8, 384, 512, "uniform", False, 128),  # 224: two tiles each
+    (1216, 2, 8, 384, 512, "uniform", True, 128),  # 304: three tiles each
     (256, 2, 8, 200, 192, "uniform", False, 192),  # one group spanning K (3 tiles)
     (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
     (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles
@@ -388,7 +391,7 @@ def _rs4_params():
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch, scheme, m, k, e, n, kdim, kind,
                                                               bias, group_k):
-    """MXFP4 weights (16-767 rows per expert) and uint4 ones (16-191) with bf16 activations: our
+    """MXFP4 weights (8-767 rows per expert) and uint4 ones (8-383) with bf16 activations: our
     4-bit mainloop runs (one launch, no dequantization buffer or transposed scales), equal to the
     CPU, rows past off[E] zero; and equal up to accumulation order to the path taken without it
     (HUMMING_JAX_PREFILL_FP4=0: the decode kernel or the dequantizing path; HUMMING_JAX_PREFILL_U4RS=0:

@@ -328,7 +328,7 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
         monkeypatch.delenv(var, raising=False)
     e, n, k = 8, 384, 512
     int4, fp4 = _int4(rng, e, n, k), _mxfp4(rng, e, n, k)
-    rows = 8 * e
+    rows = (gemm_ops.RS4_MIN_ROWS_PER_EXPERT // 2) * e
     assert gemm_ops.prefill_min_rows_per_expert() == gemm_ops.MIN_ROWS_PER_EXPERT
     assert gemm_ops.rs4_min_rows_per_expert() == gemm_ops.RS4_MIN_ROWS_PER_EXPERT
     for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):

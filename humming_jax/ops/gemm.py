@@ -226,7 +226,7 @@ _DEQUANT_ALIGN = 128  # the buffer's base is rounded up to this inside the works
 MIN_ROWS_PER_EXPERT = 32  # cuda_ffi/gemm_prefill_sm90.h, kMinRowsPerExpert
 # The kinds on our 4-bit mainloop (MXFP4, and uint4 with whole 64-k scale groups, bf16 activations)
 # start lower: their persistent forms stream the weights faster than the decode kernel from here.
-RS4_MIN_ROWS_PER_EXPERT = 16  # cuda_ffi/gemm_prefill_sm90.h, kRs4MinRowsPerExpert
+RS4_MIN_ROWS_PER_EXPERT = 8  # cuda_ffi/gemm_prefill_sm90.h, kRs4MinRowsPerExpert
 # $HUMMING_JAX_PREFILL_MIN_ROWS=<n> (n > 0) moves both to n on both sides, read when the call is traced
 # (A/B timing of the prefill kinds at decode sizes; auto selection keeps its thresholds,
 # selection.grouped_min_rows_per_expert).
@@ -358,7 +358,7 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
 # =<n> moves the upper bound to n rows per expert (A/B timing); read when the call is traced, as by
 # the CUDA handler at each call.
 ENV_PREFILL_U4RS = "HUMMING_JAX_PREFILL_U4RS"
-U4RS_MAX_ROWS_PER_EXPERT = 256  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
+U4RS_MAX_ROWS_PER_EXPERT = 384  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
 
 
 def u4rs_max_rows_per_expert() -> int:

@@ -350,30 +350,19 @@ namespace {
 
 // The activation with k_order = 1 (vec_ok's buffers): a thread activates 8 consecutive columns as
 // activation_vec_kernel does (16-byte loads; the same contract functions, so the same values) and
-// the 8 threads of a 64-column tile trade them into the order (rs4_trade_chunk, rs4_k_order.h).
-// The loop runs warp-uniformly (R * I / 8 is a multiple of 8, so a tile's lanes are in or out
-// together).
+// the 8 threads of a 64-column tile trade them into the order (rs4_write_ordered, rs4_k_order.cuh).
 template <ElemType XT>
 __global__ void __launch_bounds__(kVecThreads)
     activation_ordered_kernel(const uint16_t* __restrict__ x, uint4* __restrict__ y, int act, float limit,
                               uint32_t total, int N1, int I) {
-  __shared__ uint4 trade[kVecThreads];
   const uint32_t i8 = static_cast<uint32_t>(I / kVec);
-  const uint32_t warp_base = (blockIdx.x * kVecThreads + threadIdx.x) & ~31u;
-  for (uint32_t base = warp_base; base < total; base += gridDim.x * kVecThreads) {
-    const uint32_t idx = base + (threadIdx.x & 31u);
-    const bool ok = idx < total;
-    uint4 mine{};
-    if (ok) {
-      const uint32_t r = idx / i8, i0 = (idx - r * i8) * kVec;
-      float v[kVec];
-      act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, I, static_cast<int>(i0), v);
-      mine = make_uint4(pack_half2<XT>(v[0], v[1]), pack_half2<XT>(v[2], v[3]), pack_half2<XT>(v[4], v[5]),
-                        pack_half2<XT>(v[6], v[7]));
-    }
-    const uint4 out = rs4_trade_chunk(mine, trade, ok);
-    if (ok) y[idx] = out;
-  }
+  rs4_write_ordered<kVecThreads>(y, total, [&](uint32_t idx) {
+    const uint32_t r = idx / i8, i0 = (idx - r * i8) * kVec;
+    float v[kVec];
+    act8<XT>(act, limit, x + static_cast<size_t>(r) * N1, I, static_cast<int>(i0), v);
+    return make_uint4(pack_half2<XT>(v[0], v[1]), pack_half2<XT>(v[2], v[3]), pack_half2<XT>(v[4], v[5]),
+                      pack_half2<XT>(v[6], v[7]));
+  });
 }
 
 Error ActivationCuda(cudaStream_t stream, AnyBuffer x, Result<AnyBuffer> y, int64_t activation, float limit,

@@ -468,28 +468,17 @@ Error launch_permute(const std::string& call, cudaStream_t stream, const void* x
 
 // permute_rows with k_order = 1 (16-byte aligned rows, fewer than 2^31 16-byte chunks): a thread
 // loads 8 consecutive columns of the source row (one 16-byte load) and the 8 threads of a 64-column
-// tile trade them into the order (rs4_trade_chunk, rs4_k_order.h). The loop runs warp-uniformly
-// (a row's chunk count is a multiple of 8, so a tile's lanes are in or out together).
+// tile trade them into the order (rs4_write_ordered, rs4_k_order.cuh).
 __global__ void __launch_bounds__(kPermuteThreads)
     permute_rows_ordered_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ perm,
                                 const int32_t* __restrict__ offsets, int64_t num_offsets, int64_t R, uint32_t chunks,
                                 int64_t top_k, uint4* __restrict__ y) {
-  __shared__ uint4 trade[kPermuteThreads];
   const int64_t valid = valid_rows(offsets, num_offsets, R);
-  const uint32_t total = static_cast<uint32_t>(R) * chunks;
-  const uint32_t warp_base = (blockIdx.x * kPermuteThreads + threadIdx.x) & ~31u;
-  for (uint32_t base = warp_base; base < total; base += gridDim.x * kPermuteThreads) {
-    const uint32_t idx = base + (threadIdx.x & 31u);
-    const bool ok = idx < total;
-    uint4 mine{};
-    if (ok) {
-      const uint32_t p = idx / chunks, q = idx - p * chunks;
-      const int64_t id = p < valid ? __ldg(perm + p) : -1;
-      if (id >= 0 && id < R) mine = __ldg(x + (id / top_k) * chunks + q);
-    }
-    const uint4 out = rs4_trade_chunk(mine, trade, ok);
-    if (ok) y[idx] = out;
-  }
+  rs4_write_ordered<kPermuteThreads>(y, static_cast<uint32_t>(R) * chunks, [&](uint32_t idx) {
+    const uint32_t p = idx / chunks, q = idx - p * chunks;
+    const int64_t id = p < valid ? __ldg(perm + p) : -1;
+    return id >= 0 && id < R ? __ldg(x + (id / top_k) * chunks + q) : uint4{};
+  });
 }
 
 Error PermuteRowsCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, AnyBuffer offsets,

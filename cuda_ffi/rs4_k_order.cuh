@@ -33,4 +33,20 @@ __device__ __forceinline__ uint4 rs4_trade_chunk(uint4 mine, uint4* trade, bool 
   return out;
 }
 
+// The producers' loop over the 16-byte chunks of their rows in the order, y[0 .. total): each
+// thread loads chunk idx's 8 natural columns (load(idx), a uint4) and stores its chunk of the order.
+// The loop runs warp-uniformly so a tile's lanes trade together (total is a multiple of 8, so they
+// are in or out together); kThreads is the block's size.
+template <int kThreads, typename Load>
+__device__ __forceinline__ void rs4_write_ordered(uint4* __restrict__ y, uint32_t total, Load load) {
+  __shared__ uint4 trade[kThreads];
+  const uint32_t warp_base = (blockIdx.x * kThreads + threadIdx.x) & ~31u;
+  for (uint32_t base = warp_base; base < total; base += gridDim.x * kThreads) {
+    const uint32_t idx = base + (threadIdx.x & 31u);
+    const bool ok = idx < total;
+    const uint4 out = rs4_trade_chunk(ok ? load(idx) : uint4{}, trade, ok);
+    if (ok) y[idx] = out;
+  }
+}
+
 }  // namespace hj

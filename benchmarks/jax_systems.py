@@ -270,9 +270,10 @@ def _fixed_routing(indexed=None, grouped=None, permuted=None):
 
 def routing_layouts(jp: JaxPoint, gemm_type: str) -> list[tuple]:
     """Per input set, what _fixed_routing substitutes: (indexed routing, grouped routing, permuted
-    rows: natural and k-ordered, JaxPoint.grouped_routing). With quantized activations the grouped class permutes the codes and scales of the
-    quantized token rows, so the permutation stays inside the timed part (with the quantization,
-    as for the indexed class); with 16-bit activations the permuted rows are prepared outside."""
+    rows: natural and k-ordered, JaxPoint.grouped_routing). With quantized activations the grouped
+    class permutes the codes and scales of the quantized token rows, so the permutation stays inside
+    the timed part (with the quantization, as for the indexed class); with 16-bit activations the
+    permuted rows are prepared outside."""
     if gemm_type == "indexed":
         return [(rt, None, None) for rt in jp.indexed_routing()]
     quantized = act_quant_params(jp.weights.act_key) is not None

@@ -67,9 +67,9 @@ def select_experts(
     wins, else ``$HUMMING_JAX_MOE_GEMM_TYPE``, else auto: the first supporting class in the order
     indexed, grouped, or grouped, indexed when ``rows_per_expert`` (the expected routed rows per
     local expert, M * top_k / E) is at least ``grouped_min_rows_per_expert(weight_key, act_key)``
-    (``GROUPED_MIN_ROWS_PER_EXPERT``; for 4-bit weights the 4-bit mainloop takes, 16). A named class that
-    cannot run the layer is an error, never a fallback; when nothing fits, the error says why each
-    candidate was rejected.
+    (``GROUPED_MIN_ROWS_PER_EXPERT``; for 4-bit weights the 4-bit mainloop takes,
+    ``GROUPED_MIN_ROWS_PER_EXPERT_4BIT``). A named class that cannot run the layer is an error,
+    never a fallback; when nothing fits, the error says why each candidate was rejected.
     """
     fmt = "batched" if batched else "standard"
     candidates = [c for c in EXPERT_CLASSES if c.activation_format == fmt]

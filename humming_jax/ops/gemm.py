@@ -330,7 +330,8 @@ def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
 # bf16 activations and output run on the MXFP4 prefill kinds (Kind::kFp4Bf16 of
 # cuda_ffi/gemm_prefill_sm90.h) from RS4_MIN_ROWS_PER_EXPERT up to below FP4_MAX_ROWS_PER_EXPERT rows per
 # expert: the codes are converted in the mainloop, and the activations are first copied into the
-# workspace in the mainloop's k order (rs4_workspace_bytes). K a multiple of 64, N of 8.
+# workspace in the mainloop's k order (rs4_workspace_bytes) unless they come in it (a_k_order,
+# rs4_act_order). K a multiple of 64, N of 8.
 # $HUMMING_JAX_PREFILL_FP4=0 (read when the call is traced, as by the CUDA handler at each call)
 # gives these calls back to the decode kernel and the dequantizing path.
 ENV_PREFILL_FP4 = "HUMMING_JAX_PREFILL_FP4"

@@ -14,6 +14,7 @@ of 8 or 32, scale groups narrower than 8 columns, empty experts, padding ids, ze
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import os
@@ -67,6 +68,21 @@ def custom_weight(wtype, e, n, k, gk, **kw):
     return random_packed_weight(rng, wtype, e, n, k, gk, **kw)
 
 
+@contextlib.contextmanager
+def env_set(name: str, value: str | None):
+    """$name = value inside the block (value None: left as it is), restored after."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather=False, gated=None,
                     k_order=False):
     """One grouped prefill GEMM: routing, permutation, (quantization,) gemm_grouped; ``experts`` are
@@ -101,17 +117,8 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather
 
     # The persistent bf16 kernel gathers only where $HUMMING_JAX_PREFILL_GATHER allows it (read at
     # each call); the gathered calls here ask for every form that can (2).
-    saved = os.environ.get("HUMMING_JAX_PREFILL_GATHER")
-    if gather:
-        os.environ["HUMMING_JAX_PREFILL_GATHER"] = "2"
-    try:
+    with env_set("HUMMING_JAX_PREFILL_GATHER", "2" if gather else None):
         run(prefill, x, jnp.asarray(ids), w, bias)
-    finally:
-        if gather:
-            if saved is None:
-                os.environ.pop("HUMMING_JAX_PREFILL_GATHER")
-            else:
-                os.environ["HUMMING_JAX_PREFILL_GATHER"] = saved
 
 
 def rs4_many_items():
@@ -141,15 +148,8 @@ def rs4_k_order_paths():
     ws = gemm_ops._grouped_workspace(rows, jnp.bfloat16, None, w, jnp.bfloat16)
     ops, attrs = gemm_ops._operands(a, None, w, None, 0)
     shapes = (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((ws,), jnp.uint8))
-    saved = os.environ.get("HUMMING_JAX_PREFILL_FP4")
-    os.environ["HUMMING_JAX_PREFILL_FP4"] = "0"
-    try:
+    with env_set("HUMMING_JAX_PREFILL_FP4", "0"):
         run(lambda *o: hj._ffi.call("gemm_grouped", shapes, *o, **attrs, a_k_order=1)[0], *ops, off)
-    finally:
-        if saved is None:
-            os.environ.pop("HUMMING_JAX_PREFILL_FP4")
-        else:
-            os.environ["HUMMING_JAX_PREFILL_FP4"] = saved
 
 
 def wsp_many_items():

@@ -350,18 +350,25 @@ inline Error parse_gemm_grouped(const std::string& call, const AnyBuffer& a, con
   return check_grouped_workspace(call, workspace, c, a, a_scale, qweight, scale, zero, scale2, bias, offsets);
 }
 
+// A k-order attribute (`name`): 0, or 1 for 16-bit rows (`rows`: what they are called in the message)
+// whose `cols` columns are a multiple of the order's tile (`cols_name`).
+inline Error check_order_attr(const std::string& call, const char* name, int64_t value, bool sixteen_bit,
+                              const char* rows, int64_t cols, const char* cols_name) {
+  const std::string attr(name);
+  if (value != 0 && value != 1) return invalid(call, attr + " must be 0 or 1, got " + std::to_string(value));
+  if (value == 1 && !sixteen_bit) return invalid(call, attr + " = 1 needs " + rows);
+  if (value == 1 && cols % kRs4OrderTile)
+    return invalid(call, attr + " = 1 needs " + cols_name + " a multiple of " + std::to_string(kRs4OrderTile) +
+                             ", got " + std::to_string(cols));
+  return Error::Success();
+}
+
 // a_k_order of gemm_grouped: 0, or 1 for 16-bit activations (no scales) whose K is a multiple of the
 // order's tile.
 inline Error check_a_k_order(const std::string& call, int64_t a_k_order, GemmProblem* p) {
-  if (a_k_order != 0 && a_k_order != 1)
-    return invalid(call, "a_k_order must be 0 or 1, got " + std::to_string(a_k_order));
-  if (a_k_order == 1) {
-    if (p->a.quantized() || (p->a.type != ElemType::kBF16 && p->a.type != ElemType::kF16))
-      return invalid(call, "a_k_order = 1 needs 16-bit activations without scales");
-    if (p->K % kRs4OrderTile)
-      return invalid(call, "a_k_order = 1 needs K a multiple of " + std::to_string(kRs4OrderTile) + ", got " +
-                               std::to_string(p->K));
-  }
+  const bool sixteen_bit = !p->a.quantized() && (p->a.type == ElemType::kBF16 || p->a.type == ElemType::kF16);
+  HJ_RETURN_IF_ERROR(check_order_attr(call, "a_k_order", a_k_order, sixteen_bit,
+                                      "16-bit activations without scales", p->K, "K"));
   p->a_k_order = a_k_order == 1;
   return Error::Success();
 }
@@ -841,13 +848,8 @@ inline Error check_permute_rows(const std::string& call, const AnyBuffer& x, con
 // k_order of permute_rows and activation: 0, or 1 for 16-bit rows whose columns are a multiple of
 // the order's tile.
 inline Error check_k_order(const std::string& call, int64_t k_order, ffi::DataType type, int64_t cols) {
-  if (k_order != 0 && k_order != 1) return invalid(call, "k_order must be 0 or 1, got " + std::to_string(k_order));
-  if (k_order == 1 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
-    return invalid(call, "k_order = 1 needs 16-bit rows");
-  if (k_order == 1 && cols % kRs4OrderTile)
-    return invalid(call, "k_order = 1 needs a multiple of " + std::to_string(kRs4OrderTile) + " columns, got " +
-                             std::to_string(cols));
-  return Error::Success();
+  return check_order_attr(call, "k_order", k_order, type == ffi::DataType::BF16 || type == ffi::DataType::F16,
+                          "16-bit rows", cols, "the columns");
 }
 
 // activation: y [R, I] in x's dtype, apart from x.

@@ -953,6 +953,50 @@ __device__ __forceinline__ void wsp_load_stage(const Ws4Params& W, const WspItem
   }
 }
 
+// What both producers keep: thread p of the producer warpgroup, the CTA's items, the ring's slot
+// offsets and the slot and phase of the next stage (run on across items).
+template <typename Sh>
+struct WspRing {
+  int p, KT, nb, items;
+  uint32_t act0, code0, sc0, pk;  // pk: wsp_packed of p
+  uint32_t slot = 0, phase = 0;
+  __device__ __forceinline__ WspRing(const Params4& P, uint32_t base)
+      : p(static_cast<int>(threadIdx.x) - 128 * Sh::kGroups),
+        KT(P.K / kBK),
+        nb((P.N + Sh::kRowsCta - 1) / Sh::kRowsCta),
+        items(__ldg(P.count) * nb),
+        act0(base),
+        code0(base + Sh::kStages * Sh::kActBytes),
+        sc0(code0 + Sh::kStages * Sh::kCodeBytes),
+        pk(wsp_packed<Sh::kSlabs>(static_cast<uint32_t>(p))) {
+    static_assert(Sh::kSlabs == 1 || Sh::kSlabs == 2, "wsp_packed covers one or two slabs");
+  }
+  __device__ __forceinline__ void advance() {
+    if (++slot == Sh::kStages) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+  // A stage's loads (wsp_load_stage) for item `it`, whose tile's activation map is act_map and whose
+  // stages carry tx bytes by TMA.
+  __device__ __forceinline__ void load(const Ws4Params& W, const WspItem& it, const CUtensorMap* act_map, uint32_t tx,
+                                       int kt, uint32_t full, uint32_t bar_empty) const {
+    wsp_load_stage<Sh>(W, it, act_map, tx, kt, p, slot, phase, full, bar_empty, code0, act0);
+  }
+};
+
+// An item's activation box: the map of its tile's width (its rows rounded up to 16) and a stage's
+// bytes by TMA (the codes and that box).
+struct WspActBox {
+  const CUtensorMap* map;
+  uint32_t tx;
+};
+template <typename Sh>
+__device__ __forceinline__ WspActBox wsp_act_box(const Ws4Params& W, const WspItem& it) {
+  const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
+  return WspActBox{&W.act[bn / 16 - 1], static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2)};
+}
+
 // The producer warpgroup: for each of this CTA's items, its KT stages into the ring (slot, phase
 // run on across items). Thread 0 issues the TMA boxes (the CTA's rows' codes in boxes of 256, the
 // tile's activations as one); all 128 threads store the scale words of rows p + 128 q, which travel
@@ -961,30 +1005,23 @@ template <Codes C, typename Sh>
 __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, uint32_t bar_full, uint32_t bar_empty) {
   constexpr int kWords = Sh::kScaleWords;
   const Params4& P = W.P;
-  const int p = static_cast<int>(threadIdx.x) - 128 * Sh::kGroups;
-  const int N = P.N, K = P.K, KT = K / kBK;
-  const int nb = (N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
-  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
-  const int scols = C == Codes::kE2M1 ? K / 32 : P.scale_cols;
-  static_assert(Sh::kSlabs == 1 || Sh::kSlabs == 2, "wsp_packed covers one or two slabs");
-  const uint32_t pk = wsp_packed<Sh::kSlabs>(static_cast<uint32_t>(p));
-  uint32_t slot = 0, phase = 0;
-  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
-    const ScaleRows<C, kWords, true> rows(P, scols, it.e, it.n0 + p, 128);  // this thread's rows' scale words
+  WspRing<Sh> r(P, base);
+  const int KT = r.KT;
+  const int scols = C == Codes::kE2M1 ? P.K / 32 : P.scale_cols;
+  for (int i = static_cast<int>(blockIdx.x); i < r.items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, r.nb, Sh::kRowsCta);
+    const ScaleRows<C, kWords, true> rows(P, scols, it.e, it.n0 + r.p, 128);  // this thread's rows' scale words
     auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
     constexpr int kAhead = Sh::kScaleAhead;
     uint32_t ring[kAhead][kWords];
 #pragma unroll
     for (int j = 0; j < kAhead; ++j) scale_words(j, ring[j]);
-    const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
-    const CUtensorMap* act_map = &W.act[bn / 16 - 1];
-    const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
+    const WspActBox box = wsp_act_box<Sh>(W, it);
     auto stage = [&](int kt, auto ring_slot) {
       constexpr int J = decltype(ring_slot)::value;
-      const uint32_t full = bar_full + 8 * slot;
-      wsp_load_stage<Sh>(W, it, act_map, tx, kt, p, slot, phase, full, bar_empty, code0, act0);
-      wsp_store_words<C, Sh>(sc0 + slot * Sh::kScaleBytes, pk, p, [&](int q) { return ring[J][q]; });
+      const uint32_t full = bar_full + 8 * r.slot;
+      r.load(W, it, box.map, box.tx, kt, full, bar_empty);
+      wsp_store_words<C, Sh>(r.sc0 + r.slot * Sh::kScaleBytes, r.pk, r.p, [&](int q) { return ring[J][q]; });
       mbar_arrive(full);  // release: the scale words above are visible to the waiters
       // The words of stage kt + kAhead: uint4 groups of several 64-k tiles (tpg > 1) repeat the
       // words of the stage before, which ring[J ^ 1] holds (loaded a stage ago): copied instead of
@@ -1001,10 +1038,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
       } else {
         scale_words(kt + kAhead, ring[J]);
       }
-      if (++slot == Sh::kStages) {
-        slot = 0;
-        phase ^= 1u;
-      }
+      r.advance();
     };
     static_assert(kAhead == 2, "the stage loop below unrolls over two register slots");
     for (int kt = 0; kt < KT; kt += 2) {
@@ -1028,23 +1062,18 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
   static_assert(Sh::kTmaScales && Sh::kRowsCta % 256 == 0, "TMA scales in boxes of 256 rows");
   constexpr int kBoxes = Sh::kRowsCta / 256, kWg = Sh::kWindowGroups;
   const Params4& P = W.P;
-  const int p = static_cast<int>(threadIdx.x) - 128 * Sh::kGroups;
-  const int N = P.N, K = P.K, KT = K / kBK;
-  const int nb = (N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
-  const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
+  WspRing<Sh> r(P, base);
+  const int KT = r.KT, p = r.p;
   const uint32_t win0 = base + Sh::kWindowOffset;
-  const uint32_t pk = wsp_packed<Sh::kSlabs>(static_cast<uint32_t>(p));
   // The word of stage kt: uint4, its group; e2m1, the stage's two 32-k groups' bytes.
   auto word_of = [&](int kt) {
     return C == Codes::kE2M1 ? kt : static_cast<int>(P.div_tpg.div(static_cast<uint32_t>(kt)));
   };
   const int windows = word_of(KT - 1) / kWg + 1;  // an item's
-  uint32_t slot = 0, phase = 0, next_v = 0;
-  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
-    const int bn = min((it.rows + 15) >> 4, Sh::kMaxTokens / 16) * 16;
-    const CUtensorMap* act_map = &W.act[bn / 16 - 1];
-    const uint32_t tx = static_cast<uint32_t>(Sh::kCodeBytes + bn * kBK * 2);
+  uint32_t next_v = 0;
+  for (int i = static_cast<int>(blockIdx.x); i < r.items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, r.nb, Sh::kRowsCta);
+    const WspActBox box = wsp_act_box<Sh>(W, it);
     auto load_window = [&](int w, uint32_t buf) {
       const uint32_t bar = bar_win + 8 * buf;
       mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sh::kWindowBytes));
@@ -1068,16 +1097,13 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
         mbar_wait(bar_win + 8 * (v & 1u), (v >> 1) & 1u);
         w_cur = w;
       }
-      const uint32_t full = bar_full + 8 * slot;
-      wsp_load_stage<Sh>(W, it, act_map, tx, kt, p, slot, phase, full, bar_empty, code0, act0);
+      const uint32_t full = bar_full + 8 * r.slot;
+      r.load(W, it, box.map, box.tx, kt, full, bar_empty);
       const uint32_t words = win0 + (v & 1u) * Sh::kWindowBytes + static_cast<uint32_t>(g % kWg) * 2;
-      wsp_store_words<C, Sh>(sc0 + slot * Sh::kScaleBytes, pk, p,
+      wsp_store_words<C, Sh>(r.sc0 + r.slot * Sh::kScaleBytes, r.pk, p,
                              [&](int q) { return lds16(words + static_cast<uint32_t>(p + 128 * q) * (kWg * 2)); });
       mbar_arrive(full);  // release: the scale words above are visible to the waiters
-      if (++slot == Sh::kStages) {
-        slot = 0;
-        phase ^= 1u;
-      }
+      r.advance();
     }
   }
 }
@@ -1273,8 +1299,9 @@ int ws_form(const GroupedArgs& g, int sms) {
 
 }  // namespace
 
-// Launches of the 4-bit mainloop by form (0: plain, 1-4: warp-specialized; tests read them).
-std::atomic<uint64_t> g_rs4_form_launches[5];
+// Launches of the 4-bit mainloop's persistent forms, two slabs / one slab (forms 3 / 4; tests read
+// them to prove which form the rule took).
+std::atomic<uint64_t> g_rs4_persistent_launches[2];
 
 std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   const Codes codes = g.kind == Kind::kFp4Bf16 ? Codes::kE2M1 : Codes::kU4;
@@ -1404,7 +1431,7 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     if (!ok) return std::string(name) + cudaGetErrorString(cudaGetLastError());
     err = cudaGetLastError();
     if (err != cudaSuccess) return std::string(name) + cudaGetErrorString(err);
-    g_rs4_form_launches[form].fetch_add(1, std::memory_order_relaxed);
+    if (persistent) g_rs4_persistent_launches[form - 3].fetch_add(1, std::memory_order_relaxed);
     return std::string();
   }
   if (codes == Codes::kE2M1)
@@ -1413,7 +1440,6 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     gemm4_kernel<Codes::kU4><<<grid, kThreads, kSmem, stream>>>(P);
   err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("gemm4_kernel: ") + cudaGetErrorString(err);
-  g_rs4_form_launches[0].fetch_add(1, std::memory_order_relaxed);
   return std::string();
 }
 
@@ -1423,8 +1449,8 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
 // Launches of the 4-bit mainloop's persistent forms made by this process (host-side counts; tests
 // use them to prove which form the rule took): two slabs and 48-token tiles / one slab and 128.
 extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillRs4TwoSlabLaunches() {
-  return hj::prefill::g_rs4_form_launches[3].load(std::memory_order_relaxed);
+  return hj::prefill::g_rs4_persistent_launches[0].load(std::memory_order_relaxed);
 }
 extern "C" __attribute__((visibility("default"))) uint64_t HjPrefillRs4OneSlabLaunches() {
-  return hj::prefill::g_rs4_form_launches[4].load(std::memory_order_relaxed);
+  return hj::prefill::g_rs4_persistent_launches[1].load(std::memory_order_relaxed);
 }

@@ -38,13 +38,16 @@ bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", tru
 // dequantizing path (read at each call; humming_jax/ops/gemm.py reads it when tracing).
 bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); }
 
-// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0: the prefill kinds take calls from n rows per expert instead of
-// their built-in bound (read at each call, for A/B measurements against the decode kernel; humming_jax/
-// ops/gemm.py reads it when tracing to size the workspace for the path taken).
-int64_t min_rows_or_override(int64_t builtin) {
-  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", builtin, builtin);
+// A bound in rows per expert that environment variable `var` replaces where it holds a positive
+// count (read at each call, for A/B measurements; humming_jax/ops/gemm.py's _positive_override reads
+// it the same way when tracing to size the workspace for the path taken).
+int64_t positive_override(const char* var, int64_t builtin) {
+  const int64_t n = env_count(var, builtin, builtin);
   return n > 0 ? n : builtin;
 }
+// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0: the prefill kinds take calls from n rows per expert instead of
+// their built-in bound (against the decode kernel).
+int64_t min_rows_or_override(int64_t builtin) { return positive_override("HUMMING_JAX_PREFILL_MIN_ROWS", builtin); }
 int64_t min_rows_per_expert() { return min_rows_or_override(kMinRowsPerExpert); }
 // The kinds on our 4-bit mainloop start lower.
 int64_t rs4_min_rows_per_expert() { return min_rows_or_override(kRs4MinRowsPerExpert); }
@@ -60,10 +63,7 @@ bool u4rs_rows_fit(int64_t R, int64_t E) {
 }
 // HUMMING_JAX_PREFILL_FP4_MAX_ROWS=n > 0: the MXFP4 kind up to below n rows per expert instead of
 // kFp4MaxRowsPerExpert (A/B against the dequantizing path).
-int64_t fp4_max_rows_per_expert() {
-  const int64_t n = env_count("HUMMING_JAX_PREFILL_FP4_MAX_ROWS", kFp4MaxRowsPerExpert, kFp4MaxRowsPerExpert);
-  return n > 0 ? n : kFp4MaxRowsPerExpert;
-}
+int64_t fp4_max_rows_per_expert() { return positive_override("HUMMING_JAX_PREFILL_FP4_MAX_ROWS", kFp4MaxRowsPerExpert); }
 
 // HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: -1 unset (the default rules,
 // wsp_form); 0, the CUTLASS kinds; 1 / 2, our persistent kernels on

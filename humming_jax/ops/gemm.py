@@ -253,10 +253,16 @@ def _env_int(name: str, what: str) -> int | None:
     return int(raw)
 
 
+def _positive_override(name: str, built_in: int) -> int:
+    """Environment variable ``name`` where it is a positive count, else ``built_in`` (the CUDA
+    handlers' positive_override)."""
+    override = _env_int(name, "a whole number")
+    return override if override is not None and override > 0 else built_in
+
+
 def _min_rows_or_override(built_in: int) -> int:
     """$HUMMING_JAX_PREFILL_MIN_ROWS where it is a positive count, else ``built_in``."""
-    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
-    return override if override is not None and override > 0 else built_in
+    return _positive_override(ENV_PREFILL_MIN_ROWS, built_in)
 
 
 def prefill_min_rows_per_expert() -> int:
@@ -343,8 +349,7 @@ FP4_MAX_ROWS_PER_EXPERT = 768  # cuda_ffi/gemm_prefill_sm90.h, kFp4MaxRowsPerExp
 
 def fp4_max_rows_per_expert() -> int:
     """The upper bound (rows per expert, exclusive) of MXFP4 calls on the 4-bit mainloop."""
-    override = _env_int(ENV_PREFILL_FP4_MAX_ROWS, "a whole number")
-    return override if override is not None and override > 0 else FP4_MAX_ROWS_PER_EXPERT
+    return _positive_override(ENV_PREFILL_FP4_MAX_ROWS, FP4_MAX_ROWS_PER_EXPERT)
 
 
 def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool, out_dtype: Any = jnp.bfloat16) -> bool:

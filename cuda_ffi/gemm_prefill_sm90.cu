@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 
 #include "cuda_launch.cuh"
@@ -37,23 +38,32 @@ bool mixed_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_MIXED", tru
 // dequantizing path (read at each call; humming_jax/ops/gemm.py reads it when tracing).
 bool fp4_disabled_by_env() { return !env_flag("HUMMING_JAX_PREFILL_FP4", true); }
 
-// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0: the prefill kinds take calls from n rows per expert instead of
-// their built-in bound (read at each call, for A/B measurements against the decode kernel; humming_jax/
-// ops/gemm.py reads it when tracing to size the workspace for the path taken).
-int64_t min_rows_or_override(int64_t builtin) {
-  const int64_t n = env_count("HUMMING_JAX_PREFILL_MIN_ROWS", builtin, builtin);
+// A bound in rows per expert that environment variable `var` replaces where it holds a positive
+// count (read at each call, for A/B measurements; humming_jax/ops/gemm.py's _positive_override reads
+// it the same way when tracing to size the workspace for the path taken).
+int64_t positive_override(const char* var, int64_t builtin) {
+  const int64_t n = env_count(var, builtin, builtin);
   return n > 0 ? n : builtin;
 }
+// HUMMING_JAX_PREFILL_MIN_ROWS=n > 0: the prefill kinds take calls from n rows per expert instead of
+// their built-in bound (against the decode kernel).
+int64_t min_rows_or_override(int64_t builtin) { return positive_override("HUMMING_JAX_PREFILL_MIN_ROWS", builtin); }
 int64_t min_rows_per_expert() { return min_rows_or_override(kMinRowsPerExpert); }
 // The kinds on our 4-bit mainloop start lower.
 int64_t rs4_min_rows_per_expert() { return min_rows_or_override(kRs4MinRowsPerExpert); }
 
-// HUMMING_JAX_PREFILL_U4RS: unset, kU4RsMaxRowsPerExpert; 0, the uint4 calls of our 4-bit mainloop
-// stay on the CUTLASS mixed-input kinds; n > 0, the mainloop's upper bound (rows per expert).
-int64_t u4rs_max_rows_per_expert() {
-  const int64_t n = env_count("HUMMING_JAX_PREFILL_U4RS", kU4RsMaxRowsPerExpert, 0);
-  return n > 0 ? n : 0;
+// HUMMING_JAX_PREFILL_U4RS: unset, the built-in rule (below kU4RsMaxRowsPerExpert but the CUTLASS
+// window); 0, the uint4 calls of our 4-bit mainloop stay on the CUTLASS mixed-input kinds; n > 0,
+// the mainloop below n rows per expert, no window (A/B).
+bool u4rs_rows_fit(int64_t R, int64_t E) {
+  constexpr int64_t kUnset = std::numeric_limits<int64_t>::min();
+  const int64_t n = env_count("HUMMING_JAX_PREFILL_U4RS", kUnset, 0);
+  if (n == kUnset) return R < kU4RsMaxRowsPerExpert * E && !(R >= kU4RsCutlassFrom * E && R < kU4RsCutlassTo * E);
+  return n > 0 && R < n * E;
 }
+// HUMMING_JAX_PREFILL_FP4_MAX_ROWS=n > 0: the MXFP4 kind up to below n rows per expert instead of
+// kFp4MaxRowsPerExpert (A/B against the dequantizing path).
+int64_t fp4_max_rows_per_expert() { return positive_override("HUMMING_JAX_PREFILL_FP4_MAX_ROWS", kFp4MaxRowsPerExpert); }
 
 // HUMMING_JAX_PREFILL_BF16_WSP / HUMMING_JAX_PREFILL_FP8_WSP: -1 unset (the default rules,
 // wsp_form); 0, the CUTLASS kinds; 1 / 2, our persistent kernels on
@@ -198,23 +208,23 @@ bool mixed_input_fits(const GemmProblem& p, int64_t R, int64_t min_rows) {
 }
 
 // MXFP4 weights (e2m1 codes, e8m0 scales per 1 x 32, nothing else) with bf16 activations and
-// output, kRs4MinRowsPerExpert to below kFp4MaxRowsPerExpert rows per expert: the MXFP4 kind. K a
+// output, kRs4MinRowsPerExpert to below fp4_max_rows_per_expert() rows per expert: the MXFP4 kind. K a
 // multiple of their 64-k tile, N of 8 (16-byte output chunks), the tile list within a grid column.
 bool fp4_fits(const GemmProblem& p, int64_t R) {
   const WeightView& w = p.w;
   return w.type == WeightType::kFp4E2M1 && w.zero == nullptr && w.scale2 == nullptr &&
          w.scale_type == ElemType::kE8M0 && w.scale != nullptr && w.group_n == 1 && w.group_k == 32 &&
          p.a.type == ElemType::kBF16 && !p.a.quantized() && p.c_type == ElemType::kBF16 && p.K % 64 == 0 &&
-         p.N % 8 == 0 && R >= rs4_min_rows_per_expert() * w.E && R < kFp4MaxRowsPerExpert * w.E &&
+         p.N % 8 == 0 && R >= rs4_min_rows_per_expert() * w.E && R < fp4_max_rows_per_expert() * w.E &&
          (R + 63) / 64 + w.E + 1 <= 65535;
 }
 
 // The uint4 calls of mixed_input_fits whose scale groups are whole 64-k tiles (or span K), K a
-// multiple of 64, from kRs4MinRowsPerExpert up to below u4rs_max_rows_per_expert() rows per expert:
-// our 4-bit mainloop.
+// multiple of 64, from kRs4MinRowsPerExpert up at the rows per expert u4rs_rows_fit takes: our 4-bit
+// mainloop.
 bool u4rs_fits(const GemmProblem& p, int64_t R) {
   return mixed_input_fits(p, R, rs4_min_rows_per_expert()) && p.K % 64 == 0 &&
-         (p.w.group_k % 64 == 0 || p.w.group_k >= p.K) && R < u4rs_max_rows_per_expert() * p.w.E &&
+         (p.w.group_k % 64 == 0 || p.w.group_k >= p.K) && u4rs_rows_fit(R, p.w.E) &&
          (R + 63) / 64 + p.w.E + 1 <= 65535;
 }
 

@@ -51,8 +51,9 @@ enum class Kind : int {
   kFp4Bf16 = 10,
   // The same mainloop for the uint4 calls of kU4Bf16 whose scale groups are whole 64-k tiles (or
   // span K) and K % 64 == 0, from kRs4MinRowsPerExpert up to below kU4RsMaxRowsPerExpert rows per
-  // expert. HUMMING_JAX_PREFILL_U4RS=0 gives them back to the CUTLASS mixed-input kinds;
-  // HUMMING_JAX_PREFILL_U4RS=<n> moves the upper bound to n rows per expert (for A/B timing).
+  // expert but kU4RsCutlassFrom-kU4RsCutlassTo. HUMMING_JAX_PREFILL_U4RS=0 gives them back to the
+  // CUTLASS mixed-input kinds; HUMMING_JAX_PREFILL_U4RS=<n>: the mainloop up to below n rows per
+  // expert, no window (for A/B timing).
   kU4Bf16Rs = 11,
   // bf16 x unquantized bf16 weights -> bf16 on our own persistent kernel (gemm_prefill_sm90_bf16_wsp.cu):
   // weight rows on wgmma's A operand, tiles of up to 128 tokens costing their rows rounded up to 32.
@@ -109,13 +110,18 @@ constexpr int64_t kWideRowsPerExpertMixed = 128;
 constexpr int64_t kTallRowsPerExpertMixed = 256;
 
 // The range of rows per expert (on average) of the kinds on our 4-bit mainloop: up to below these.
+// MXFP4 above it: the dequantizing path (HUMMING_JAX_PREFILL_FP4_MAX_ROWS=<n> moves the bound, A/B).
 // uint4 against the CUTLASS kinds (tiles of 128 tokens up to 255 rows per expert, so two from 129
 // rows as the mainloop's; of 256 from 256 rows), the mainloop in its persistent form reading the
-// grouped class's k-ordered rows (H100, benchmarks/results/h100/2026-12-06-v26-call{5,6,7}-*.json,
-// 2026-12-06-v27-call4-sweep-u4rs-band.json): 1.12-1.28x faster at 192-240 rows per expert, 1.21-1.24x
-// at 272-352 (deepseek and mixtral shapes); from 384 not measured with the k order yet.
+// grouped class's k-ordered rows (H100, benchmarks/results/h100/2026-12-06-v2{6,7,8}-*sweep-u4rs*.json):
+// 1.12-1.28x faster at 192-240 rows per expert, 1.21-1.24x at 272-352, 1.08-1.10x at 384, 1.01-1.10x
+// at 512, 1.12-1.13x at 576, 1.02-1.05x at 640-768 (deepseek, mixtral and qwen3 shapes); but 0.96-0.99x
+// at 416-496, where the mainloop's four tiles of 104-124 tokens cost as much as its 512 rows while
+// CUTLASS's two 256-token tiles waste as little, hence that window stays on CUTLASS; from 1024 rows
+// per expert the two are within 2% (0.98-1.02x).
 constexpr int64_t kFp4MaxRowsPerExpert = 768;
-constexpr int64_t kU4RsMaxRowsPerExpert = 384;
+constexpr int64_t kU4RsMaxRowsPerExpert = 1024;
+constexpr int64_t kU4RsCutlassFrom = 408, kU4RsCutlassTo = 504;  // rows per expert, [from, to)
 // ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): with
 // the grouped class's rows k-ordered, at 8 rows per expert the mainloop's persistent forms took
 // 0.82-0.95x the decode kernel's time at deepseek and qwen3 shapes (int4 and mxfp4), 0.99-1.03x at

@@ -905,6 +905,24 @@ using WspOneSlabTma = WspShape<1, 128, 64, true>;
 struct WspItem {
   int e, row0, rows, n0;
 };
+// The CTAs' work: `items` = the tile list's entries x `nb` blocks of Sh::kRowsCta weight rows (the
+// producer and the consumers count them alike).
+struct WspItems {
+  int nb, items;
+};
+template <typename Sh>
+__device__ __forceinline__ WspItems wsp_items(const Params4& P) {
+  const int nb = (P.N + Sh::kRowsCta - 1) / Sh::kRowsCta;
+  return WspItems{nb, __ldg(P.count) * nb};
+}
+// The ring's next slot, and its phase on each wrap.
+template <int kStages>
+__device__ __forceinline__ void wsp_next_slot(uint32_t& slot, uint32_t& phase) {
+  if (++slot == kStages) {
+    slot = 0;
+    phase ^= 1u;
+  }
+}
 __device__ __forceinline__ WspItem wsp_item(const Params4& P, int i, int nb, int rows_cta) {
   const int4 tile = P.tiles[i / nb];
   return WspItem{tile.x, tile.y, tile.z, (i % nb) * rows_cta};
@@ -957,26 +975,21 @@ __device__ __forceinline__ void wsp_load_stage(const Ws4Params& W, const WspItem
 // offsets and the slot and phase of the next stage (run on across items).
 template <typename Sh>
 struct WspRing {
-  int p, KT, nb, items;
+  int p, KT;
+  WspItems work;
   uint32_t act0, code0, sc0, pk;  // pk: wsp_packed of p
   uint32_t slot = 0, phase = 0;
   __device__ __forceinline__ WspRing(const Params4& P, uint32_t base)
       : p(static_cast<int>(threadIdx.x) - 128 * Sh::kGroups),
         KT(P.K / kBK),
-        nb((P.N + Sh::kRowsCta - 1) / Sh::kRowsCta),
-        items(__ldg(P.count) * nb),
+        work(wsp_items<Sh>(P)),
         act0(base),
         code0(base + Sh::kStages * Sh::kActBytes),
         sc0(code0 + Sh::kStages * Sh::kCodeBytes),
         pk(wsp_packed<Sh::kSlabs>(static_cast<uint32_t>(p))) {
     static_assert(Sh::kSlabs == 1 || Sh::kSlabs == 2, "wsp_packed covers one or two slabs");
   }
-  __device__ __forceinline__ void advance() {
-    if (++slot == Sh::kStages) {
-      slot = 0;
-      phase ^= 1u;
-    }
-  }
+  __device__ __forceinline__ void advance() { wsp_next_slot<Sh::kStages>(slot, phase); }
   // A stage's loads (wsp_load_stage) for item `it`, whose tile's activation map is act_map and whose
   // stages carry tx bytes by TMA.
   __device__ __forceinline__ void load(const Ws4Params& W, const WspItem& it, const CUtensorMap* act_map, uint32_t tx,
@@ -1008,8 +1021,8 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   WspRing<Sh> r(P, base);
   const int KT = r.KT;
   const int scols = C == Codes::kE2M1 ? P.K / 32 : P.scale_cols;
-  for (int i = static_cast<int>(blockIdx.x); i < r.items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, r.nb, Sh::kRowsCta);
+  for (int i = static_cast<int>(blockIdx.x); i < r.work.items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, r.work.nb, Sh::kRowsCta);
     const ScaleRows<C, kWords, true> rows(P, scols, it.e, it.n0 + r.p, 128);  // this thread's rows' scale words
     auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
     constexpr int kAhead = Sh::kScaleAhead;
@@ -1071,8 +1084,8 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
   };
   const int windows = word_of(KT - 1) / kWg + 1;  // an item's
   uint32_t next_v = 0;
-  for (int i = static_cast<int>(blockIdx.x); i < r.items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, r.nb, Sh::kRowsCta);
+  for (int i = static_cast<int>(blockIdx.x); i < r.work.items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, r.work.nb, Sh::kRowsCta);
     const WspActBox box = wsp_act_box<Sh>(W, it);
     auto load_window = [&](int w, uint32_t buf) {
       const uint32_t bar = bar_win + 8 * buf;
@@ -1143,10 +1156,7 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
                                                            act0 + slot * Sh::kActBytes, t, kt > 0,
                                                            kt > 0 ? bar_empty + 8 * prev : 0u, pre);
     prev = slot;
-    if (++slot == Sh::kStages) {
-      slot = 0;
-      phase ^= 1u;
-    }
+    wsp_next_slot<Sh::kStages>(slot, phase);
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -1194,11 +1204,11 @@ __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Sh::kConsumerRegs));
-  const int nb = (P.N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  const WspItems work = wsp_items<Sh>(P);
   uint32_t slot = 0, phase = 0;
   float acc[Sh::kSlabs][Sh::kMaxTokens / 2];
-  for (int i = static_cast<int>(blockIdx.x); i < items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, nb, Sh::kRowsCta);
+  for (int i = static_cast<int>(blockIdx.x); i < work.items; i += static_cast<int>(gridDim.x)) {
+    const WspItem it = wsp_item(P, i, work.nb, Sh::kRowsCta);
     // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
     // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to kNarrow rows take
     // kNarrow-wide MMAs (the columns past their rows, never stored, read stale activation rows).

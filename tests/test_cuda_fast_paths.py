@@ -331,6 +331,26 @@ def test_prefill_mixed_input_int4_matches_cpu_and_the_dequantizing_path(rng, mon
     _assert_close(got, again, jnp.bfloat16, what + " against the other path", tol=2e-3)
 
 
+@requires_prefill
+@pytest.mark.parametrize("rows_per_expert", [gemm_ops.U4RS_CUTLASS_WINDOW[0], gemm_ops.U4RS_CUTLASS_WINDOW[1] - 8])
+def test_int4_in_the_u4rs_window_runs_on_the_mixed_input_kind(rng, monkeypatch, rows_per_expert):
+    """uint4 calls at U4RS_CUTLASS_WINDOW's rows per expert (built-in rule, no switch set) take the
+    CUTLASS mixed-input kind with its workspace (transposed scales, no permuted activations): the
+    handler's rule and the Python mirror that sized the workspace agree there; equal to the CPU."""
+    for var in (gemm_ops.ENV_PREFILL_MIXED, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIN_ROWS):
+        monkeypatch.delenv(var, raising=False)
+    e, n, kdim = 8, 264, 512
+    p = _gemm_inputs(rng, "w4a16-int4-g128", rows_per_expert * e, 1, e, n, kdim, "uniform", bias=True,
+                     dtype=jnp.bfloat16, weight=_mixed_weight(rng, e, n, kdim, 128))
+    rows = p["a"].shape[0]
+    assert rows == rows_per_expert * e
+    assert gemm_ops.mixed_prefill(rows, p["w"], jnp.bfloat16, False)
+    assert not gemm_ops.u4rs_prefill(rows, p["w"], jnp.bfloat16, False)
+    assert gemm_ops.mixed_scale_bytes(rows, p["w"], jnp.bfloat16, False) > 0
+    assert gemm_ops.rs4_workspace_bytes(rows, p["w"], jnp.bfloat16, False) == 0
+    _prefill_once_matches_cpu(p, f"int4 at {rows_per_expert} rows per expert", "mixed-input prefill")
+
+
 FP4_CASES = [
     # M tokens, top-k, E, N, K, routing, bias. Tiles of 128 weight rows x an expert's rows split
     # into near-equal parts of at most 128 (wgmma N: the part's rows rounded up to 16).
@@ -354,7 +374,7 @@ FP4_CASES = [
 ]
 
 
-U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, N, K, routing, bias, group_k)
+U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert, outside U4RS_CUTLASS_WINDOW; (M, top-k, E, N, K, routing, bias, group_k)
     (256, 2, 8, 384, 512, "uniform", True, 128),  # 64 rows per expert
     (128, 2, 8, 384, 512, "uniform", False, 128),  # 32
     (64, 2, 8, 384, 512, "uniform", False, 128),  # 16
@@ -364,6 +384,7 @@ U4RS_CASES = [  # below U4RS_MAX_ROWS_PER_EXPERT rows per expert; (M, top-k, E, 
     (512, 8, 64, 384, 640, "zero_rows", True, 128),  # ~190 on the used experts: several tiles each
     (896, 2, 8, 384, 512, "uniform", False, 128),  # 224: two tiles each
     (1216, 2, 8, 384, 512, "uniform", True, 128),  # 304: three tiles each
+    (2400, 2, 8, 264, 512, "uniform", True, 128),  # 600, past the CUTLASS window: five tiles each
     (256, 2, 8, 200, 192, "uniform", False, 192),  # one group spanning K (3 tiles)
     (448, 2, 8, 136, 512, "uniform", True, 256),  # 112; 256-k groups (four tiles per scale)
     (448, 1, 8, 256, 1152, "one_expert", True, 128),  # 448 rows on one expert: four tiles
@@ -391,7 +412,7 @@ def _rs4_params():
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch, scheme, m, k, e, n, kdim, kind,
                                                               bias, group_k):
-    """MXFP4 weights (8-767 rows per expert) and uint4 ones (8-383) with bf16 activations: our
+    """MXFP4 weights (8-767 rows per expert) and uint4 ones (8-1023 but 408-503) with bf16 activations: our
     4-bit mainloop runs (one launch, no dequantization buffer or transposed scales), equal to the
     CPU, rows past off[E] zero; and equal up to accumulation order to the path taken without it
     (HUMMING_JAX_PREFILL_FP4=0: the decode kernel or the dequantizing path; HUMMING_JAX_PREFILL_U4RS=0:

@@ -239,10 +239,12 @@ def _mxfp4(rng, e, n, k):
 
 
 def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
-    """MXFP4 weights with bf16 activations and output from 16 up to below 768 rows per expert: the
-    MXFP4 kernel's tile list and permuted activations (R x K bf16) and no dequantization buffer;
-    HUMMING_JAX_PREFILL_FP4=0 swaps the two (from 128 rows per expert; below, the decode kernel)."""
+    """MXFP4 weights with bf16 activations and output from RS4_MIN_ROWS_PER_EXPERT up to below
+    FP4_MAX_ROWS_PER_EXPERT rows per expert: the MXFP4 kernel's tile list and permuted activations
+    (R x K bf16) and no dequantization buffer; HUMMING_JAX_PREFILL_FP4=0 swaps the two (from 128 rows
+    per expert; below, the decode kernel)."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4, raising=False)
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, raising=False)
     e, n, k = 8, 384, 512
     w = _mxfp4(rng, e, n, k)
     for rows in (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
@@ -266,6 +268,17 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
         assert gemm_ops.rs4_workspace_bytes(r, wd, dtype, False, out) == 0, what
     assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, True)  # 8-bit activations
     assert gemm_ops.dequant_buffer_bytes(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False) > 0
+    # HUMMING_JAX_PREFILL_FP4_MAX_ROWS=<n> moves the bound (A/B); non-positive values keep it.
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "2048")
+    assert gemm_ops.fp4_prefill(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False)
+    assert gemm_ops.dequant_buffer_bytes(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False) == 0
+    assert not gemm_ops.fp4_prefill(2048 * e, w, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "0")
+    assert not gemm_ops.fp4_prefill(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "lots")
+    with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_FP4_MAX_ROWS"):
+        gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, False)
+    monkeypatch.delenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4, "0")
     assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(256 * e, w, jnp.bfloat16, False) > 0
@@ -274,14 +287,15 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
 
 def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch):
     """uint4 calls of the mixed-input kinds with scale groups of whole 64-k tiles (or spanning K)
-    and K % 64 == 0 run on the 4-bit mainloop below U4RS_MAX_ROWS_PER_EXPERT rows per expert: its
-    permuted activations and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0 gives them back,
-    =<n> moves the bound."""
+    and K % 64 == 0 run on the 4-bit mainloop below U4RS_MAX_ROWS_PER_EXPERT rows per expert but
+    U4RS_CUTLASS_WINDOW: its permuted activations and no transposed scales; HUMMING_JAX_PREFILL_U4RS=0
+    gives them back, =<n> moves the bound and drops the window."""
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_MIXED, raising=False)
     monkeypatch.delenv(gemm_ops.ENV_PREFILL_U4RS, raising=False)
     e, n, k = 8, 384, 512
     w = _int4(rng, e, n, k)
-    for rows in (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e, gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e - 1):
+    lo, hi = gemm_ops.U4RS_CUTLASS_WINDOW
+    for rows in (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e, lo * e - 1, hi * e, gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.u4rs_prefill(rows, w, jnp.bfloat16, False), rows
         assert not gemm_ops.mixed_prefill(rows, w, jnp.bfloat16, False), rows
         assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
@@ -293,9 +307,10 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
     low = gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e - 1
     assert not gemm_ops.u4rs_prefill(low, w, jnp.bfloat16, False) and not gemm_ops.mixed_prefill(low, w, jnp.bfloat16, False)
     assert gemm_ops.rs4_workspace_bytes(low, w, jnp.bfloat16, False) == 0
-    wide = gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e
-    assert not gemm_ops.u4rs_prefill(wide, w, jnp.bfloat16, False) and gemm_ops.mixed_prefill(wide, w, jnp.bfloat16, False)
-    assert gemm_ops.rs4_workspace_bytes(wide, w, jnp.bfloat16, False) == 0
+    for wide in (lo * e, hi * e - 1, gemm_ops.U4RS_MAX_ROWS_PER_EXPERT * e):  # the window, and the bound
+        assert not gemm_ops.u4rs_prefill(wide, w, jnp.bfloat16, False), wide
+        assert gemm_ops.mixed_prefill(wide, w, jnp.bfloat16, False), wide
+        assert gemm_ops.rs4_workspace_bytes(wide, w, jnp.bfloat16, False) == 0, wide
     assert gemm_ops.u4rs_prefill(64 * e, _int4(rng, e, n, 192, group_k=192), jnp.bfloat16, False)  # spanning K
     declined = {
         "32-k groups": _int4(rng, e, n, k, group_k=32),
@@ -312,6 +327,10 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
     assert not gemm_ops.mixed_prefill(between, w, jnp.bfloat16, False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "512")
     assert gemm_ops.u4rs_prefill(256 * e, w, jnp.bfloat16, False)
+    assert gemm_ops.u4rs_prefill(lo * e, w, jnp.bfloat16, False)  # no window under an override
+    assert not gemm_ops.u4rs_prefill(512 * e, w, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "-3")
+    assert not gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_U4RS, "many")
     with pytest.raises(ValueError, match="HUMMING_JAX_PREFILL_U4RS"):
         gemm_ops.u4rs_prefill(64 * e, w, jnp.bfloat16, False)

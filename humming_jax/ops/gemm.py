@@ -253,10 +253,16 @@ def _env_int(name: str, what: str) -> int | None:
     return int(raw)
 
 
+def _positive_override(name: str, built_in: int) -> int:
+    """Environment variable ``name`` where it is a positive count, else ``built_in`` (the CUDA
+    handlers' positive_override)."""
+    override = _env_int(name, "a whole number")
+    return override if override is not None and override > 0 else built_in
+
+
 def _min_rows_or_override(built_in: int) -> int:
     """$HUMMING_JAX_PREFILL_MIN_ROWS where it is a positive count, else ``built_in``."""
-    override = _env_int(ENV_PREFILL_MIN_ROWS, "a whole number")
-    return override if override is not None and override > 0 else built_in
+    return _positive_override(ENV_PREFILL_MIN_ROWS, built_in)
 
 
 def prefill_min_rows_per_expert() -> int:
@@ -333,9 +339,17 @@ def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
 # workspace in the mainloop's k order (rs4_workspace_bytes) unless they come in it (a_k_order,
 # rs4_act_order). K a multiple of 64, N of 8.
 # $HUMMING_JAX_PREFILL_FP4=0 (read when the call is traced, as by the CUDA handler at each call)
-# gives these calls back to the decode kernel and the dequantizing path.
+# gives these calls back to the decode kernel and the dequantizing path;
+# $HUMMING_JAX_PREFILL_FP4_MAX_ROWS=<n> > 0 moves the upper bound to n rows per expert (A/B timing
+# against the dequantizing path).
 ENV_PREFILL_FP4 = "HUMMING_JAX_PREFILL_FP4"
+ENV_PREFILL_FP4_MAX_ROWS = "HUMMING_JAX_PREFILL_FP4_MAX_ROWS"
 FP4_MAX_ROWS_PER_EXPERT = 768  # cuda_ffi/gemm_prefill_sm90.h, kFp4MaxRowsPerExpert
+
+
+def fp4_max_rows_per_expert() -> int:
+    """The upper bound (rows per expert, exclusive) of MXFP4 calls on the 4-bit mainloop."""
+    return _positive_override(ENV_PREFILL_FP4_MAX_ROWS, FP4_MAX_ROWS_PER_EXPERT)
 
 
 def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool, out_dtype: Any = jnp.bfloat16) -> bool:
@@ -348,26 +362,30 @@ def fp4_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
             and w.group_n == 1 and w.group_k == 32 and not act_quantized
             and jnp.dtype(act_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16
             and k % 64 == 0 and n % 8 == 0 and e > 0
-            and rs4_min_rows_per_expert() * e <= rows < FP4_MAX_ROWS_PER_EXPERT * e
+            and rs4_min_rows_per_expert() * e <= rows < fp4_max_rows_per_expert() * e
             and -(-rows // 32) + e + 1 <= 65535)
 
 
 # uint4 calls of the mixed-input kinds whose scale groups are whole 64-k tiles (or span K), K a
-# multiple of 64, from RS4_MIN_ROWS_PER_EXPERT up to below U4RS_MAX_ROWS_PER_EXPERT rows per expert run on
-# the same 4-bit mainloop as MXFP4 (Kind::kU4Bf16Rs), with the same workspace (rs4_workspace_bytes)
-# instead of the transposed scales. $HUMMING_JAX_PREFILL_U4RS=0 keeps them on the mixed-input kinds;
-# =<n> moves the upper bound to n rows per expert (A/B timing); read when the call is traced, as by
-# the CUDA handler at each call.
+# multiple of 64, from RS4_MIN_ROWS_PER_EXPERT up to below U4RS_MAX_ROWS_PER_EXPERT rows per expert,
+# except U4RS_CUTLASS_WINDOW (where the CUTLASS kinds measured faster), run on the same 4-bit mainloop
+# as MXFP4 (Kind::kU4Bf16Rs), with the same workspace (rs4_workspace_bytes) instead of the transposed
+# scales. $HUMMING_JAX_PREFILL_U4RS=0 keeps them on the mixed-input kinds; =<n> has the mainloop
+# take them below n rows per expert, no window (A/B timing); read when the call is traced, as by the
+# CUDA handler at each call.
 ENV_PREFILL_U4RS = "HUMMING_JAX_PREFILL_U4RS"
-U4RS_MAX_ROWS_PER_EXPERT = 384  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
+U4RS_MAX_ROWS_PER_EXPERT = 1024  # cuda_ffi/gemm_prefill_sm90.h, kU4RsMaxRowsPerExpert
+U4RS_CUTLASS_WINDOW = (408, 504)  # kU4RsCutlassFrom, kU4RsCutlassTo: rows per expert, [from, to)
 
 
-def u4rs_max_rows_per_expert() -> int:
-    """The upper bound (rows per expert, exclusive) of uint4 calls on the 4-bit mainloop; 0: none."""
+def u4rs_rows_fit(rows: int, e: int) -> bool:
+    """Whether ``rows`` rows over ``e`` experts lie where uint4 calls take the 4-bit mainloop (its
+    other conditions aside)."""
     override = _env_int(ENV_PREFILL_U4RS, "a whole number")
-    if override is None:
-        return U4RS_MAX_ROWS_PER_EXPERT
-    return max(0, override)
+    if override is not None:
+        return override > 0 and rows < override * e
+    lo, hi = U4RS_CUTLASS_WINDOW
+    return rows < U4RS_MAX_ROWS_PER_EXPERT * e and not lo * e <= rows < hi * e
 
 
 def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool, out_dtype: Any = jnp.bfloat16) -> bool:
@@ -376,7 +394,7 @@ def u4rs_prefill(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool
     e, k = w.num_experts, w.k
     return (_mixed_input_fits(rows, w, act_dtype, act_quantized, rs4_min_rows_per_expert())
             and jnp.dtype(out_dtype) == jnp.bfloat16 and k % 64 == 0 and (w.group_k % 64 == 0 or w.group_k >= k)
-            and rows < u4rs_max_rows_per_expert() * e and -(-rows // 32) + e + 1 <= 65535)
+            and u4rs_rows_fit(rows, e) and -(-rows // 32) + e + 1 <= 65535)
 
 
 # The 4-bit mainloop's k order (cuda_ffi/rs4_k_order.h): within each 64-column tile, logical column L

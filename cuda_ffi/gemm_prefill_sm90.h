@@ -119,7 +119,10 @@ constexpr int64_t kTallRowsPerExpertMixed = 256;
 // at 416-496, where the mainloop's four tiles of 104-124 tokens cost as much as its 512 rows while
 // CUTLASS's two 256-token tiles waste as little, hence that window stays on CUTLASS; from 1024 rows
 // per expert the two are within 2% (0.98-1.02x).
-constexpr int64_t kFp4MaxRowsPerExpert = 768;
+// MXFP4 (H100, benchmarks/results/h100/2026-12-06-v29-call1-sweep-fp4-max-rows.json): the mainloop
+// 1.45-1.49x faster than the dequantizing path at 768 rows per expert, 1.33-1.35x at 1024, 1.07-1.12x
+// at 2048, 0.95-0.97x at 4096 (deepseek, mixtral shapes): a log-linear crossover at ~3100-3500.
+constexpr int64_t kFp4MaxRowsPerExpert = 3072;
 constexpr int64_t kU4RsMaxRowsPerExpert = 1024;
 constexpr int64_t kU4RsCutlassFrom = 408, kU4RsCutlassTo = 504;  // rows per expert, [from, to)
 // ... and from this many rows per expert up, below kMinRowsPerExpert (the other kinds' bound): with

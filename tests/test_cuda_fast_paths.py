@@ -81,7 +81,7 @@ def _assert_close(got, want, dtype, what, tol=None):
 # without zero points with bf16 group scales and bf16 activations from 32 rows per expert on the
 # mixed-input kernels (128-token tiles below 256 rows, 256-token tiles from 256; from 16 up to below
 # 192 rows our 4-bit mainloop when the groups are whole 64-k tiles), mxfp4 with bf16 activations from
-# 16 up to 767 rows per expert on our 4-bit mainloop, other quantized
+# 8 up to 3071 rows per expert on our 4-bit mainloop, other quantized
 # weights with 16-bit activations dequantized first, from 64 rows per expert for 8-bit codes and
 # from 128 for 4-bit ones;
 # HUMMING_JAX_PREFILL=0 turns it off, HUMMING_JAX_PREFILL_MIXED=0 (HUMMING_JAX_PREFILL_FP4=0) gives the
@@ -365,6 +365,7 @@ FP4_CASES = [
     (1024, 2, 8, 200, 192, "uniform", True),  # 256 rows per expert: 2-3 tiles each
     (160, 2, 8, 136, 128, "uniform", False),  # 40 rows per expert: widths 32-64, N = 136
     (2048, 2, 8, 768, 512, "uniform", True),  # 512 rows per expert
+    (4096, 2, 8, 264, 256, "uniform", True),  # 1024 rows per expert: eight tiles each
     (1024, 4, 16, 264, 384, "tail", False),  # 256 rows per expert with rows past off[E]
     (1024, 1, 8, 256, 1152, "one_expert", True),  # 1024 rows on one expert, none on the rest
     # K a multiple of 512 (64 / 48 scale bytes a row): the persistent forms take the scales by TMA in
@@ -412,7 +413,7 @@ def _rs4_params():
 @pytest.mark.parametrize("scheme,m,k,e,n,kdim,kind,bias,group_k", list(_rs4_params()))
 def test_prefill_4bit_mainloop_matches_cpu_and_the_other_paths(rng, monkeypatch, scheme, m, k, e, n, kdim, kind,
                                                               bias, group_k):
-    """MXFP4 weights (8-767 rows per expert) and uint4 ones (8-1023 but 408-503) with bf16 activations: our
+    """MXFP4 weights (8-3071 rows per expert) and uint4 ones (8-1023 but 408-503) with bf16 activations: our
     4-bit mainloop runs (one launch, no dequantization buffer or transposed scales), equal to the
     CPU, rows past off[E] zero; and equal up to accumulation order to the path taken without it
     (HUMMING_JAX_PREFILL_FP4=0: the decode kernel or the dequantizing path; HUMMING_JAX_PREFILL_U4RS=0:

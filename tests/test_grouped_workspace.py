@@ -269,10 +269,12 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     assert not gemm_ops.fp4_prefill(256 * e, w, jnp.bfloat16, True)  # 8-bit activations
     assert gemm_ops.dequant_buffer_bytes(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False) > 0
     # HUMMING_JAX_PREFILL_FP4_MAX_ROWS=<n> moves the bound (A/B); non-positive values keep it.
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "2048")
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "4096")
     assert gemm_ops.fp4_prefill(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False)
     assert gemm_ops.dequant_buffer_bytes(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False) == 0
-    assert not gemm_ops.fp4_prefill(2048 * e, w, jnp.bfloat16, False)
+    assert not gemm_ops.fp4_prefill(4096 * e, w, jnp.bfloat16, False)
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "768")
+    assert not gemm_ops.fp4_prefill(768 * e, w, jnp.bfloat16, False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "0")
     assert not gemm_ops.fp4_prefill(gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e, w, jnp.bfloat16, False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_FP4_MAX_ROWS, "lots")

@@ -344,7 +344,7 @@ def mixed_scale_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized:
 # against the dequantizing path).
 ENV_PREFILL_FP4 = "HUMMING_JAX_PREFILL_FP4"
 ENV_PREFILL_FP4_MAX_ROWS = "HUMMING_JAX_PREFILL_FP4_MAX_ROWS"
-FP4_MAX_ROWS_PER_EXPERT = 768  # cuda_ffi/gemm_prefill_sm90.h, kFp4MaxRowsPerExpert
+FP4_MAX_ROWS_PER_EXPERT = 3072  # cuda_ffi/gemm_prefill_sm90.h, kFp4MaxRowsPerExpert
 
 
 def fp4_max_rows_per_expert() -> int:

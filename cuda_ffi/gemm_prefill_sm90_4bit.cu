@@ -38,7 +38,10 @@
 //  * The default, a persistent form (gemm4_wsp_kernel, ws_form; HUMMING_JAX_PREFILL_RS4_WS=3 / 4):
 //    one CTA per SM of four consumer warpgroups and a producer warpgroup that gives them registers
 //    (setmaxnreg), precomputes the e2m1 scale factors and, where a row's scales span whole 16
-//    bytes, takes them by TMA in 16-byte windows a row. Same bits.
+//    bytes, takes them by TMA in 16-byte windows a row. Same bits, but for a last round that would
+//    keep at most half the CTAs busy: its items run as 2-4 k-parts on as many CTAs, the last part
+//    adding the others' float32 sums (through the workspace) to its own before the epilogue
+//    (wsp_items; HUMMING_JAX_PREFILL_RS4_SPLIT=0 keeps them whole, for A/B and bit-for-bit tests).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -85,6 +88,13 @@ constexpr int kCodeBytes = kRows * kBK / 2;      // one stage of codes (4 KB)
 constexpr int kOutStride = kRows * 2 + 16;       // epilogue staging row (bytes)
 constexpr int kRingBytes = kStages * (kActBytes + kCodeBytes);
 constexpr int kSmem = (kRingBytes > kMaxTokens * kOutStride ? kRingBytes : kMaxTokens * kOutStride) + 1024;
+// The persistent forms' split of a small last round (wsp_items): at most kSplitSlots partial sums of
+// a CTA's accumulators (512 consumer threads x at most 64 floats, thread-major), kSplitMaxParts
+// parts an item; the flags, one per slot and consumer warpgroup, before them in the workspace.
+constexpr int kSplitSlots = 66, kSplitMaxParts = 4;
+constexpr int kSplitSlotFloats = 512 * 64;
+constexpr size_t kSplitFlagBytes = (kSplitSlots * 4 * sizeof(unsigned) + 127) / 128 * 128;
+constexpr size_t kSplitBytes = kSplitFlagBytes + size_t{kSplitSlots} * kSplitSlotFloats * sizeof(float);
 
 // rs4_k_of (rs4_k_order.h): physical k (within a 64-k tile) of the activation that logical position
 // L of the permuted tile holds, the mapping of the lanes' code bytes onto wgmma's A fragment (module
@@ -105,6 +115,12 @@ struct Params4 {
   const int4* tiles;        // (expert, first row, rows, 0)
   const int* count;         // tiles in the list
   int N, K;
+  // The persistent forms' split of a small last round over K (wsp_items): the partial sums
+  // [kSplitSlots][kSplitSlotFloats] and their flags [kSplitSlots][4] in the workspace (the flags
+  // zeroed by the tile-list kernel each call); split 0 turns it off.
+  float* part;
+  unsigned* part_flags;
+  int split;
 };
 
 // The activations in the mainloop's k order (rs4_k_of), 64-k tiles of 128 bytes: a warp copies
@@ -877,6 +893,7 @@ struct WspShape {
   static_assert(kActBytes % 1024 == 0 && kCodeBytes % 1024 == 0 && kScaleBytes % 16 == 0, "slot alignment");
   static_assert(kMaxTokens <= ::hj::prefill::kMaxTokens && kMaxTokens % 16 == 0 && kNarrow < kMaxTokens, "widths");
   static_assert(setmaxnreg_fits(kThreads, kGroups, kProducerRegs, kConsumerRegs), "register budget");
+  static_assert(kGroups * 128 * kSlabs * (kMaxTokens / 2) <= kSplitSlotFloats, "a split slot holds the accumulators");
 };
 // Whether the producer precomputes the first factors (e2m1: fp4_factors' 12-odd instructions a row
 // and stage move from the 16 consumer warps to the 4 producer warps).
@@ -906,14 +923,33 @@ struct WspItem {
   int e, row0, rows, n0;
 };
 // The CTAs' work: `items` = the tile list's entries x `nb` blocks of Sh::kRowsCta weight rows (the
-// producer and the consumers count them alike).
+// producer and the consumers count them alike). CTA b runs items b, b + G, ... below `whole`
+// (G = gridDim.x CTAs); where a last round would keep at most half of them busy (its `rem` items
+// at most G / 2), those items are split instead into `parts` k-ranges each, one unit per CTA
+// (wsp_unit). A CTA's time is mostly its own: a last round of 39% of the CTAs took 0.81-0.85 of a
+// full round (benchmarks/NOTES.md, v29, the tail probe), so parts of a small round pay.
 struct WspItems {
-  int nb, items;
+  int nb, items, whole, rem, parts;
 };
 template <typename Sh>
 __device__ __forceinline__ WspItems wsp_items(const Params4& P) {
-  const int nb = (P.N + Sh::kRowsCta - 1) / Sh::kRowsCta;
-  return WspItems{nb, __ldg(P.count) * nb};
+  const int nb = (P.N + Sh::kRowsCta - 1) / Sh::kRowsCta, items = __ldg(P.count) * nb;
+  const int G = static_cast<int>(gridDim.x), KT = P.K / kBK, rem = items % G;
+  int parts = 1;
+  if (P.split != 0 && rem > 0 && 2 * rem <= G && rem <= kSplitSlots)
+    parts = min(min(kSplitMaxParts, G / rem), min(1 + kSplitSlots / rem, KT));
+  return WspItems{nb, items, parts > 1 ? items - rem : items, rem, parts};
+}
+// A CTA's unit of the split last round: item `item`'s k tiles [kt0, kt1), part `part` of w.parts
+// (part -1: none), its partial sums in slot `slot0 + part` (the item's parts - 1 slots from slot0).
+struct WspUnit {
+  int item, part, kt0, kt1, slot0;
+};
+__device__ __forceinline__ WspUnit wsp_unit(const WspItems& w, int KT) {
+  const int u = static_cast<int>(blockIdx.x);
+  if (w.parts <= 1 || u >= w.rem * w.parts) return WspUnit{0, -1, 0, KT, 0};
+  const int p = u / w.rem, r = u % w.rem;
+  return WspUnit{w.whole + r, p, p * KT / w.parts, (p + 1) * KT / w.parts, r * (w.parts - 1)};
 }
 // The ring's next slot, and its phase on each wrap.
 template <int kStages>
@@ -1021,14 +1057,14 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
   WspRing<Sh> r(P, base);
   const int KT = r.KT;
   const int scols = C == Codes::kE2M1 ? P.K / 32 : P.scale_cols;
-  for (int i = static_cast<int>(blockIdx.x); i < r.work.items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, r.work.nb, Sh::kRowsCta);
+  // Item `it`'s stages kt0 .. kt1 - 1 (all of K but for a unit of the split last round).
+  auto produce = [&](const WspItem& it, int kt0, int kt1) {
     const ScaleRows<C, kWords, true> rows(P, scols, it.e, it.n0 + r.p, 128);  // this thread's rows' scale words
     auto scale_words = [&](int kt, uint32_t (&dst)[kWords]) { rows.load(P, kt, KT, dst); };
     constexpr int kAhead = Sh::kScaleAhead;
     uint32_t ring[kAhead][kWords];
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) scale_words(j, ring[j]);
+    for (int j = 0; j < kAhead; ++j) scale_words(kt0 + j, ring[j]);
     const WspActBox box = wsp_act_box<Sh>(W, it);
     auto stage = [&](int kt, auto ring_slot) {
       constexpr int J = decltype(ring_slot)::value;
@@ -1054,11 +1090,15 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
       r.advance();
     };
     static_assert(kAhead == 2, "the stage loop below unrolls over two register slots");
-    for (int kt = 0; kt < KT; kt += 2) {
+    for (int kt = kt0; kt < kt1; kt += 2) {
       stage(kt, std::integral_constant<int, 0>{});
-      if (kt + 1 < KT) stage(kt + 1, std::integral_constant<int, 1>{});
+      if (kt + 1 < kt1) stage(kt + 1, std::integral_constant<int, 1>{});
     }
-  }
+  };
+  for (int i = static_cast<int>(blockIdx.x); i < r.work.whole; i += static_cast<int>(gridDim.x))
+    produce(wsp_item(P, i, r.work.nb, Sh::kRowsCta), 0, KT);
+  const WspUnit u = wsp_unit(r.work, KT);
+  if (u.part >= 0) produce(wsp_item(P, u.item, r.work.nb, Sh::kRowsCta), u.kt0, u.kt1);
 }
 
 // The producer warpgroup with TMA scales (Sh::kTmaScales): as wsp_produce, but each stage's scale words come
@@ -1082,11 +1122,12 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
   auto word_of = [&](int kt) {
     return C == Codes::kE2M1 ? kt : static_cast<int>(P.div_tpg.div(static_cast<uint32_t>(kt)));
   };
-  const int windows = word_of(KT - 1) / kWg + 1;  // an item's
   uint32_t next_v = 0;
-  for (int i = static_cast<int>(blockIdx.x); i < r.work.items; i += static_cast<int>(gridDim.x)) {
-    const WspItem it = wsp_item(P, i, r.work.nb, Sh::kRowsCta);
+  // Item `it`'s stages kt0 .. kt1 - 1 (all of K but for a unit of the split last round), whose
+  // windows run to last_w: a window beyond it is never loaded (no copy may be in flight at exit).
+  auto produce = [&](const WspItem& it, int kt0, int kt1) {
     const WspActBox box = wsp_act_box<Sh>(W, it);
+    const int last_w = word_of(kt1 - 1) / kWg;
     auto load_window = [&](int w, uint32_t buf) {
       const uint32_t bar = bar_win + 8 * buf;
       mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sh::kWindowBytes));
@@ -1097,15 +1138,15 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
     };
     int w_cur = -1;
     uint32_t v = 0;
-    for (int kt = 0; kt < KT; ++kt) {
+    for (int kt = kt0; kt < kt1; ++kt) {
       const int g = word_of(kt);
       const int w = g / kWg;
       if (w != w_cur) {  // the window's first stage (the same kt for every producer thread)
         v = next_v++;
         asm volatile("bar.sync 5, 128;\n" ::: "memory");
         if (p == 0) {
-          if (w == 0) load_window(0, v & 1u);
-          if (w + 1 < windows) load_window(w + 1, (v + 1) & 1u);
+          if (w_cur < 0) load_window(w, v & 1u);  // the item's first window
+          if (w + 1 <= last_w) load_window(w + 1, (v + 1) & 1u);
         }
         mbar_wait(bar_win + 8 * (v & 1u), (v >> 1) & 1u);
         w_cur = w;
@@ -1118,17 +1159,34 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
       mbar_arrive(full);  // release: the scale words above are visible to the waiters
       r.advance();
     }
-  }
+  };
+  for (int i = static_cast<int>(blockIdx.x); i < r.work.whole; i += static_cast<int>(gridDim.x))
+    produce(wsp_item(P, i, r.work.nb, Sh::kRowsCta), 0, KT);
+  const WspUnit u = wsp_unit(r.work, KT);
+  if (u.part >= 0) produce(wsp_item(P, u.item, r.work.nb, Sh::kRowsCta), u.kt0, u.kt1);
+}
+
+// A st.global.release.gpu / ld.global.acquire.gpu pair: the split's flags.
+__device__ __forceinline__ void st_release(unsigned* a, unsigned v) {
+  asm volatile("st.global.release.gpu.u32 [%0], %1;\n" ::"l"(a), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* a) {
+  unsigned v;
+  asm volatile("ld.global.acquire.gpu.u32 %0, [%1];\n" : "=r"(v) : "l"(a) : "memory");
+  return v;
 }
 
 // A consumer warpgroup's part of one item (weight rows [64 S wg, + 64 S) of the CTA's, S slabs) on
-// the mainloop of width BN, then its own epilogue through its staging buffer.
+// the mainloop of width BN over k tiles [u.kt0, u.kt1), then its own epilogue through its staging
+// buffer. A unit of the split last round (u.part >= 0) that is not the item's last part stores its
+// sums in its slot and raises its warpgroup's flag instead; the last part waits for the others'
+// flags and adds their sums to its own, in part order (the same sum every run), before its epilogue.
+// Every part runs in the same round, one CTA per SM, so no wait can outlast the others' work.
 template <Codes C, typename Sh, int BN>
-__device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it, uint8_t* staging, uint32_t base,
-                                            uint32_t bar_full, uint32_t bar_empty, uint32_t& slot, uint32_t& phase,
-                                            float (&acc)[Sh::kSlabs][Sh::kMaxTokens / 2]) {
+__device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it, const WspUnit& u, int parts,
+                                            uint8_t* staging, uint32_t base, uint32_t bar_full, uint32_t bar_empty,
+                                            uint32_t& slot, uint32_t& phase, float (&acc)[Sh::kSlabs][Sh::kMaxTokens / 2]) {
   constexpr int S = Sh::kSlabs, kAcc = BN / 2;
-  const int KT = static_cast<int>(static_cast<uint32_t>(P.K) / kBK);
   const uint32_t act0 = base, code0 = base + Sh::kStages * Sh::kActBytes, sc0 = code0 + Sh::kStages * Sh::kCodeBytes;
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -1145,7 +1203,7 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
 
   uint32_t frag[2][S][4];  // [k16 step & 1][slab][register]
   uint32_t prev = 0;       // the slot of the stage before
-  for (int kt = 0; kt < KT; ++kt) {
+  for (int kt = u.kt0; kt < u.kt1; ++kt) {
     mbar_wait(bar_full + 8 * slot, phase);
     const uint32_t sc_s = slot * Sh::kScaleBytes;
     WsFactors pre;
@@ -1153,8 +1211,8 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
     pre.flag_s = sc0 + sc_s + Sh::kRawBytes + Sh::kFacBytes;
     pre.sel = sel;
     ws_stage<C, BN, S, Sh::kMaxTokens / 2, wsp_pre<C, Sh>, true>(acc, frag, code_t + slot * Sh::kCodeBytes, raw_t + sc_s,
-                                                           act0 + slot * Sh::kActBytes, t, kt > 0,
-                                                           kt > 0 ? bar_empty + 8 * prev : 0u, pre);
+                                                           act0 + slot * Sh::kActBytes, t, kt > u.kt0,
+                                                           kt > u.kt0 ? bar_empty + 8 * prev : 0u, pre);
     prev = slot;
     wsp_next_slot<Sh::kStages>(slot, phase);
   }
@@ -1164,10 +1222,39 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) fence_reg(acc[sl][i]);
   mbar_arrive(bar_empty + 8 * prev);  // the item's last stage, now read
-  // Named barrier 1 + wg: this warpgroup's 128 threads (its staging, its rows).
+  // Named barrier 1 + wg: this warpgroup's 128 threads (its staging, its rows; the split's flags).
   const int bar_id = 1 + wg;
+  auto wg_sync = [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); };
+  if (u.part >= 0) {
+    // Thread-major slots: float f of thread tid at f * 512 + tid (coalesced), L2 only (cg).
+    auto slot_at = [&](int q) { return P.part + static_cast<size_t>(u.slot0 + q) * kSplitSlotFloats + tid; };
+    if (u.part < parts - 1) {
+      float* dst = slot_at(u.part);
+#pragma unroll
+      for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) __stcg(dst + (sl * kAcc + i) * 512, acc[sl][i]);
+      __threadfence();
+      wg_sync();
+      if ((tid & 127) == 0) st_release(P.part_flags + (u.slot0 + u.part) * 4 + wg, 1u);
+      return;
+    }
+    if ((tid & 127) == 0)
+      for (int q = 0; q < parts - 1; ++q)
+        while (ld_acquire(P.part_flags + (u.slot0 + q) * 4 + wg) == 0u) __nanosleep(64);
+    wg_sync();
+#pragma unroll
+    for (int sl = 0; sl < S; ++sl)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        const int f = (sl * kAcc + i) * 512;
+        float sum = __ldcg(slot_at(0) + f);
+        for (int q = 1; q < parts - 1; ++q) sum += __ldcg(slot_at(q) + f);
+        acc[sl][i] = sum + acc[sl][i];
+      }
+  }
   store_tile<BN, 128, S>(P, acc, it.e, it.row0, it.rows, it.n0 + wg * 64 * S, staging + wg * Sh::kStagingBytes,
-                         tid & 127, [bar_id] { asm volatile("bar.sync %0, 128;\n" ::"r"(bar_id) : "memory"); });
+                         tid & 127, wg_sync);
 }
 
 // Grid: x = min(SMs, items); each CTA takes items blockIdx.x, + gridDim.x, ...
@@ -1205,18 +1292,23 @@ __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Sh::kConsumerRegs));
   const WspItems work = wsp_items<Sh>(P);
+  const int KT = P.K / kBK;
   uint32_t slot = 0, phase = 0;
   float acc[Sh::kSlabs][Sh::kMaxTokens / 2];
-  for (int i = static_cast<int>(blockIdx.x); i < work.items; i += static_cast<int>(gridDim.x)) {
+  // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
+  // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to kNarrow rows take
+  // kNarrow-wide MMAs (the columns past their rows, never stored, read stale activation rows).
+  auto consume = [&](int i, const WspUnit& u) {
     const WspItem it = wsp_item(P, i, work.nb, Sh::kRowsCta);
-    // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
-    // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to kNarrow rows take
-    // kNarrow-wide MMAs (the columns past their rows, never stored, read stale activation rows).
     if (it.rows <= Sh::kNarrow)
-      wsp_consume<C, Sh, Sh::kNarrow>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
+      wsp_consume<C, Sh, Sh::kNarrow>(P, it, u, work.parts, staging, base, bar_full, bar_empty, slot, phase, acc);
     else
-      wsp_consume<C, Sh, Sh::kMaxTokens>(P, it, staging, base, bar_full, bar_empty, slot, phase, acc);
-  }
+      wsp_consume<C, Sh, Sh::kMaxTokens>(P, it, u, work.parts, staging, base, bar_full, bar_empty, slot, phase, acc);
+  };
+  for (int i = static_cast<int>(blockIdx.x); i < work.whole; i += static_cast<int>(gridDim.x))
+    consume(i, WspUnit{i, -1, 0, KT, 0});
+  const WspUnit u = wsp_unit(work, KT);
+  if (u.part >= 0) consume(u.item, u);
 #else
   __trap();
 #endif
@@ -1262,17 +1354,22 @@ std::string prepare_device(int device) {
 
 // The workspace from its (128-byte aligned) base: the tile count (128 bytes), the tile list (at most
 // R / 32 + E + 1 entries of 16 bytes, a bound with room to spare: each expert adds at most one tile
-// beyond R / kMaxTokens), then the permuted activations from act_offset, 128-byte aligned.
+// beyond R / kMaxTokens), then the permuted activations from act_offset, 128-byte aligned ...
 size_t act_offset(int64_t R, int64_t E) {
   const size_t list = static_cast<size_t>((R + 31) / 32 + E + 1) * 16;
   return (128 + list + 127) / 128 * 128;
+}
+
+// ... then the split's flags and partial sums (kSplitBytes) from split_offset, 128-byte aligned.
+size_t split_offset(int64_t R, int64_t K, int64_t E) {
+  return (act_offset(R, E) + static_cast<size_t>(R) * static_cast<size_t>(K) * 2 + 127) / 128 * 128;
 }
 
 }  // namespace
 
 size_t rs4_workspace_bytes(int64_t R, int64_t K, int64_t E) {
   // ... plus the slack run_grouped spends on aligning the base.
-  return 128 + act_offset(R, E) + static_cast<size_t>(R) * static_cast<size_t>(K) * 2;
+  return 128 + split_offset(R, K, E) + kSplitBytes;
 }
 
 namespace {
@@ -1340,15 +1437,17 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   int4* tiles = reinterpret_cast<int4*>(ws + 128);
   const size_t act_off = act_offset(g.R, g.E);
   __nv_bfloat16* act = reinterpret_cast<__nv_bfloat16*>(ws + act_off);
-  if (g.workspace_bytes < act_off + static_cast<size_t>(g.R) * static_cast<size_t>(g.K) * 2)
-    return "workspace too small for the permuted activations";
+  const size_t split_off = split_offset(g.R, g.K, g.E);
+  if (g.workspace_bytes < split_off + kSplitBytes) return "workspace too small for the permuted activations and the split";
+  unsigned* part_flags = reinterpret_cast<unsigned*>(ws + split_off);
+  float* part = reinterpret_cast<float*>(ws + split_off + kSplitFlagBytes);
   {
     const std::string e = codes == Codes::kE2M1 ? prepare_device<Codes::kE2M1>(dev.device) : prepare_device<Codes::kU4>(dev.device);
     if (!e.empty()) return e;
   }
   {
     const std::string e = launch_tile_list(g.offsets, g.E, g.R, g.N, max_tokens, /*chunk=*/1, tiles, count, g.c,
-                                           dev.sm_count, stream);
+                                           dev.sm_count, stream, part_flags, kSplitSlots * 4);
     if (!e.empty()) return e;
   }
   cudaError_t err;
@@ -1382,6 +1481,11 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
   P.c = static_cast<__nv_bfloat16*>(g.c);
   P.tiles = tiles;
   P.count = count;
+  // The persistent forms split a small last round over K (wsp_items); HUMMING_JAX_PREFILL_RS4_SPLIT=0
+  // keeps every item whole (A/B; the other forms' sums in the same order, bit for bit).
+  P.part = part;
+  P.part_flags = part_flags;
+  P.split = env_flag("HUMMING_JAX_PREFILL_RS4_SPLIT", true) ? 1 : 0;
   P.N = static_cast<int>(g.N);
   P.K = static_cast<int>(g.K);
   const int rows_cta = form == 3 ? WspTwoSlabs::kRowsCta : form == 4 ? WspOneSlab::kRowsCta
@@ -1419,8 +1523,10 @@ std::string run_rs4(const GroupedArgs& g, const DeviceInfo& dev, cudaStream_t st
     bool ok;
     if (persistent) {
       // One CTA per SM, or per work item where there are fewer (the tile count is known on the
-      // device only: its bound here).
-      const dim3 pgrid(static_cast<unsigned>(std::min<int64_t>(dev.sm_count, n_blocks * max_tiles)));
+      // device only: its bound here), times the parts a split item may take (CTAs beyond the
+      // work exit at once).
+      const int64_t units = n_blocks * max_tiles * (P.split != 0 ? kSplitMaxParts : 1);
+      const dim3 pgrid(static_cast<unsigned>(std::min<int64_t>(dev.sm_count, units)));
       auto launch_p = [&](auto shape, unsigned* conf) {
         using Sh = decltype(shape);
         return e2m1 ? launch(gemm4_wsp_kernel<Codes::kE2M1, Sh>, pgrid, Sh::kThreads, Sh::kSmem, conf[0])

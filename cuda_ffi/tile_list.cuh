@@ -27,10 +27,11 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 __global__ void __launch_bounds__(kSetupThreads) tile_list_kernel(const int32_t* offsets, int E, int R, int max_tokens,
                                                                   int chunk, int4* tiles, int* count, __nv_bfloat16* c,
-                                                                  int64_t N) {
+                                                                  int64_t N, unsigned* zero_words, int n_zero) {
   extern __shared__ int32_t s_hi[];  // [E], block 0 only
   int last;
   if (blockIdx.x == 0) {
+    for (int i = static_cast<int>(threadIdx.x); i < n_zero; i += kSetupThreads) zero_words[i] = 0u;
     last = expert_row_ends(offsets, E, R, s_hi);
     __shared__ int32_t s_first;
     __shared__ int32_t s_warp[kSetupThreads / 32];
@@ -81,15 +82,17 @@ __global__ void __launch_bounds__(kSetupThreads) tile_list_kernel(const int32_t*
 }
 
 // tile_list_kernel on `stream` for the call's offsets and output c [R, N] (the zero rows shared out
-// over up to four blocks an SM); an error message, or empty.
+// over up to four blocks an SM), also zeroing n_zero words at zero_words (the kernel's flags, which
+// an uninitialized workspace cannot hold); an error message, or empty.
 inline std::string launch_tile_list(const int32_t* offsets, int64_t E, int64_t R, int64_t N, int max_tokens, int chunk,
-                                    int4* tiles, int* count, void* c, int sm_count, cudaStream_t stream) {
+                                    int4* tiles, int* count, void* c, int sm_count, cudaStream_t stream,
+                                    unsigned* zero_words = nullptr, int n_zero = 0) {
   const int64_t zero_work = R * N / 8;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(int64_t{sm_count} * 4, (zero_work + kSetupThreads * 8 - 1) / (kSetupThreads * 8)));
   tile_list_kernel<<<static_cast<unsigned>(blocks), kSetupThreads, E * sizeof(int32_t), stream>>>(
       offsets, static_cast<int>(E), static_cast<int>(R), max_tokens, chunk, tiles, count,
-      static_cast<__nv_bfloat16*>(c), N);
+      static_cast<__nv_bfloat16*>(c), N, zero_words, n_zero);
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? std::string() : std::string("tile_list_kernel: ") + cudaGetErrorString(err);
 }

@@ -124,13 +124,18 @@ def prefill_grouped(scheme, m, e=3, n=384, k=256, topk=2, experts=(0, 2), gather
 def rs4_many_items():
     """The 4-bit mainloop with more work items than SMs in every form (~140 rows on each of 64
     experts, N = 512, 8 k tiles): the persistent forms' CTAs take several items, their rings
-    running on across them; also with the rows in the mainloop's k order."""
+    running on across them; also with the rows in the mainloop's k order; and a small last round
+    split over K."""
     for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
         prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64))
         prefill_grouped(scheme, 2400, e=64, n=512, k=512, topk=4, experts=range(64), k_order=True)
     # K = 2048: the persistent forms' scales by TMA, two windows an item (uint4) or four (e2m1).
     for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
         prefill_grouped(scheme, 2400, e=64, n=512, k=2048, topk=4, experts=range(64))
+    # ~16 rows on each of 64 experts, N = 2304: whole rounds, then a last round of 56 (two slabs) or 48
+    # (one slab) items on 132 SMs, split over K (a unit's scale windows from the middle of K).
+    for scheme in ("w4a16-int4-g128", "w4a16-mxfp4"):
+        prefill_grouped(scheme, 256, e=64, n=2304, k=2048, topk=4, experts=range(64))
 
 
 def rs4_k_order_paths():

@@ -453,6 +453,7 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
     for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, "0")
+    monkeypatch.setenv(ENV_RS4_SPLIT, "0")  # whole items: each output's sum in the mainloop's order
     weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
     p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, kind, bias=bias, dtype=jnp.bfloat16, weight=weight)
     what = f"{scheme} {kind} M={m} E={e} N={n} K={kdim} g{group_k} bias={bias}"
@@ -466,6 +467,62 @@ def test_prefill_4bit_warp_specialized_matches_the_mainloop_bit_for_bit(rng, mon
         label = f"{form}" + ("" if tma is None else " without TMA scales")
         got, _ = _prefill_once_matches_cpu(p, f"{what} warp-specialized {label}", "4-bit prefill")
         np.testing.assert_array_equal(got, plain, err_msg=f"{what}: the warp-specialized form {label} differs")
+
+
+ENV_RS4_SPLIT = "HUMMING_JAX_PREFILL_RS4_SPLIT"
+
+
+def _rs4_split_parts(off, rows_in, e, n, kdim, form, sms):
+    """The parts each item of the persistent form's last round takes (cuda_ffi/gemm_prefill_sm90_4bit.cu,
+    wsp_items; the launch's grid from its bound on the tiles of `rows_in` rows), restated: 1 where
+    the round is not split."""
+    rows_cta, max_tok = (512, 48) if form == 3 else (256, 128)
+    ends = np.asarray(off)[: e + 1]
+    rows = np.diff(ends)
+    nb = -(-n // rows_cta)
+    items = int(sum(-(-int(r) // max_tok) for r in rows)) * nb
+    grid = min(sms, nb * (-(-rows_in // max_tok) + e) * 4)
+    rem, kt = items % grid, kdim // 64
+    if rem == 0 or 2 * rem > grid or rem > 66:
+        return 1
+    return min(4, grid // rem, 1 + 66 // rem, kt)
+
+
+@requires_prefill
+@pytest.mark.parametrize("m,k,e,n,kdim,form", [
+    (64, 2, 8, 1536, 2048, 3),  # 24 items: all in one split round (parts 3 on 132 SMs)
+    (64, 2, 8, 1536, 2048, 4),  # 48 items (parts 2)
+    (256, 4, 64, 2560, 512, 3),  # 320 items: two whole rounds, then 56 items in two parts
+    (256, 4, 64, 2560, 512, 4),  # 640 items: a last round of 112, not split
+])
+@pytest.mark.parametrize("scheme", ["w4a16-mxfp4", "w4a16-int4-g128"])
+def test_prefill_4bit_split_last_round_matches_cpu_and_the_whole_items(rng, monkeypatch, scheme, m, k, e, n, kdim,
+                                                                     form):
+    """The persistent forms split a last round that would keep at most half the CTAs busy into
+    k-parts whose sums the last part adds (HUMMING_JAX_PREFILL_RS4_SPLIT, on unless 0): equal to the
+    CPU, rows past off[E] zero; the same bits run after run; within rounding of the whole items'
+    result (=0), and where a split happens not all the same bits (the sums run in another order)."""
+    for var in (gemm_ops.ENV_PREFILL_FP4, gemm_ops.ENV_PREFILL_U4RS, gemm_ops.ENV_PREFILL_MIXED, ENV_RS4_SPLIT):
+        monkeypatch.delenv(var, raising=False)
+    sms = getattr(GPU, "core_count", None)
+    if not sms:
+        pytest.skip("the device does not report its SM count")
+    monkeypatch.setenv(gemm_ops.ENV_PREFILL_RS4_WS, str(form))
+    group_k = 32 if scheme == "w4a16-mxfp4" else 128
+    weight = _mixed_weight(rng, e, n, kdim, group_k) if scheme.startswith("w4a16-int4") else None
+    p = _gemm_inputs(rng, scheme, m, k, e, n, kdim, "uniform", dtype=jnp.bfloat16, weight=weight)
+    parts = _rs4_split_parts(p["off"], p["a"].shape[0], e, n, kdim, form, sms)
+    what = f"{scheme} M={m} k={k} E={e} N={n} K={kdim} form {form} on {sms} SMs ({parts} parts)"
+    got, last = _prefill_once_matches_cpu(p, what, "4-bit prefill")
+    assert np.any(got[:last] != 0.0), what
+    np.testing.assert_array_equal(_run_gemm(GPU, p), got, err_msg=f"{what}: not the same bits run after run")
+    monkeypatch.setenv(ENV_RS4_SPLIT, "0")
+    whole = _run_gemm(GPU, p)
+    _assert_close(got, whole, jnp.bfloat16, what + " against the whole items", tol=2e-3)
+    if parts > 1:
+        assert np.any(got != whole), f"{what}: the same bits as the whole items, so no split ran"
+    else:
+        np.testing.assert_array_equal(got, whole, err_msg=f"{what}: no split expected, yet other bits")
 
 
 _RS4_TWO_SLAB_LAUNCHES = _ffi.launch_counter("HjPrefillRs4TwoSlabLaunches") if GPU is not None else None

@@ -18,6 +18,10 @@ from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.weights import PackedWeight
 
+# The 4-bit persistent kernel's split area (cuda_ffi/gemm_prefill_sm90_4bit.cu, kSplitBytes): 1152
+# bytes of flags (66 x 4 words, 128-byte aligned) and 66 slots of 512 x 64 float32.
+_RS4_SPLIT = 1152 + 66 * 512 * 64 * 4
+
 
 def _problem(rng, e=4, n=16, k=32, m=10, topk=2):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -250,7 +254,7 @@ def test_mxfp4_calls_request_the_permuted_activations_instead(rng, monkeypatch):
     for rows in (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e, 256 * e, gemm_ops.FP4_MAX_ROWS_PER_EXPERT * e - 1):
         assert gemm_ops.fp4_prefill(rows, w, jnp.bfloat16, False), rows
         tiles = -(-rows // 32) + e + 1
-        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2 + _RS4_SPLIT
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
     declined = {
         "too few rows": (gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e - 1, w, jnp.bfloat16, jnp.bfloat16),
@@ -303,7 +307,7 @@ def test_int4_calls_below_the_u4rs_bound_take_the_4bit_mainloop(rng, monkeypatch
         assert gemm_ops.mixed_scale_bytes(rows, w, jnp.bfloat16, False) == 0
         assert gemm_ops.dequant_buffer_bytes(rows, w, jnp.bfloat16, False) == 0
         tiles = -(-rows // 32) + e + 1
-        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2 + _RS4_SPLIT
     # Below RS4_MIN_ROWS_PER_EXPERT neither; from it up to MIN_ROWS_PER_EXPERT only the mainloop (with
     # it switched off, the decode kernel: no mixed-input kind below MIN_ROWS_PER_EXPERT).
     low = gemm_ops.RS4_MIN_ROWS_PER_EXPERT * e - 1
@@ -360,7 +364,7 @@ def test_prefill_min_rows_override_moves_the_4bit_mainloop_down(rng, monkeypatch
     for w, take in ((int4, gemm_ops.u4rs_prefill), (fp4, gemm_ops.fp4_prefill)):
         assert take(rows, w, jnp.bfloat16, False) and not take(e - 1, w, jnp.bfloat16, False)
         tiles = -(-rows // 32) + e + 1
-        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2
+        assert gemm_ops.rs4_workspace_bytes(rows, w, jnp.bfloat16, False) == 128 + -(-(128 + 16 * tiles) // 128) * 128 + rows * k * 2 + _RS4_SPLIT
     assert GROUPED_MIN_ROWS_PER_EXPERT == gemm_ops.MIN_ROWS_PER_EXPERT
     assert GROUPED_MIN_ROWS_PER_EXPERT_4BIT == gemm_ops.RS4_MIN_ROWS_PER_EXPERT
     for bad in ("0", "-3"):  # not a count: the built-in threshold

@@ -951,6 +951,15 @@ __device__ __forceinline__ WspUnit wsp_unit(const WspItems& w, int KT) {
   const int p = u / w.rem, r = u % w.rem;
   return WspUnit{w.whole + r, p, p * KT / w.parts, (p + 1) * KT / w.parts, r * (w.parts - 1)};
 }
+// The CTA's work in order, alike for the producer and the consumers: f(i, unit) for its whole items
+// i = blockIdx.x, + gridDim.x, ... below w.whole (unit: part -1, k tiles [0, KT)), then for its unit
+// of the split last round, if any.
+template <typename F>
+__device__ __forceinline__ void wsp_each_unit(const WspItems& w, int KT, F&& f) {
+  for (int i = static_cast<int>(blockIdx.x); i < w.whole; i += static_cast<int>(gridDim.x)) f(i, WspUnit{i, -1, 0, KT, 0});
+  const WspUnit u = wsp_unit(w, KT);
+  if (u.part >= 0) f(u.item, u);
+}
 // The ring's next slot, and its phase on each wrap.
 template <int kStages>
 __device__ __forceinline__ void wsp_next_slot(uint32_t& slot, uint32_t& phase) {
@@ -1095,10 +1104,7 @@ __device__ __forceinline__ void wsp_produce(const Ws4Params& W, uint32_t base, u
       if (kt + 1 < kt1) stage(kt + 1, std::integral_constant<int, 1>{});
     }
   };
-  for (int i = static_cast<int>(blockIdx.x); i < r.work.whole; i += static_cast<int>(gridDim.x))
-    produce(wsp_item(P, i, r.work.nb, Sh::kRowsCta), 0, KT);
-  const WspUnit u = wsp_unit(r.work, KT);
-  if (u.part >= 0) produce(wsp_item(P, u.item, r.work.nb, Sh::kRowsCta), u.kt0, u.kt1);
+  wsp_each_unit(r.work, KT, [&](int i, const WspUnit& u) { produce(wsp_item(P, i, r.work.nb, Sh::kRowsCta), u.kt0, u.kt1); });
 }
 
 // The producer warpgroup with TMA scales (Sh::kTmaScales): as wsp_produce, but each stage's scale words come
@@ -1160,10 +1166,7 @@ __device__ __forceinline__ void wsp_produce_tma(const Ws4Params& W, uint32_t bas
       r.advance();
     }
   };
-  for (int i = static_cast<int>(blockIdx.x); i < r.work.whole; i += static_cast<int>(gridDim.x))
-    produce(wsp_item(P, i, r.work.nb, Sh::kRowsCta), 0, KT);
-  const WspUnit u = wsp_unit(r.work, KT);
-  if (u.part >= 0) produce(wsp_item(P, u.item, r.work.nb, Sh::kRowsCta), u.kt0, u.kt1);
+  wsp_each_unit(r.work, KT, [&](int i, const WspUnit& u) { produce(wsp_item(P, i, r.work.nb, Sh::kRowsCta), u.kt0, u.kt1); });
 }
 
 // A st.global.release.gpu / ld.global.acquire.gpu pair: the split's flags.
@@ -1298,17 +1301,13 @@ __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid
   // Two widths on one accumulator array: wgmmas of different widths on separate arrays in one
   // loop, or of three widths, make ptxas serialize them (C7512). Tiles of up to kNarrow rows take
   // kNarrow-wide MMAs (the columns past their rows, never stored, read stale activation rows).
-  auto consume = [&](int i, const WspUnit& u) {
+  wsp_each_unit(work, KT, [&](int i, const WspUnit& u) {
     const WspItem it = wsp_item(P, i, work.nb, Sh::kRowsCta);
     if (it.rows <= Sh::kNarrow)
       wsp_consume<C, Sh, Sh::kNarrow>(P, it, u, work.parts, staging, base, bar_full, bar_empty, slot, phase, acc);
     else
       wsp_consume<C, Sh, Sh::kMaxTokens>(P, it, u, work.parts, staging, base, bar_full, bar_empty, slot, phase, acc);
-  };
-  for (int i = static_cast<int>(blockIdx.x); i < work.whole; i += static_cast<int>(gridDim.x))
-    consume(i, WspUnit{i, -1, 0, KT, 0});
-  const WspUnit u = wsp_unit(work, KT);
-  if (u.part >= 0) consume(u.item, u);
+  });
 #else
   __trap();
 #endif

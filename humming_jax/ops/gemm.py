@@ -490,6 +490,12 @@ def fp8_wsp_switch() -> int | None:
     return _wsp_switch(ENV_PREFILL_FP8_WSP, 4)
 
 
+# The 4-bit persistent kernel's split of a small last round over K (cuda_ffi/gemm_prefill_sm90_4bit.cu,
+# kSplitBytes): the flags (66 slots x 4 warpgroups, 128-byte aligned), then 66 slots of partial sums
+# (512 threads x 64 float32).
+RS4_SPLIT_BYTES = -(-66 * 4 * 4 // 128) * 128 + 66 * 512 * 64 * 4
+
+
 def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool,
                         out_dtype: Any = jnp.bfloat16) -> int:
     """Workspace bytes ``gemm_grouped`` adds for the 4-bit mainloop (its tile list and the permuted
@@ -503,11 +509,6 @@ def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantize
     tile_list = (-(-rows // 32) + w.num_experts + 1) * 16
     return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2 + RS4_SPLIT_BYTES
 
-
-# The 4-bit persistent kernel's split of a small last round over K (cuda_ffi/gemm_prefill_sm90_4bit.cu,
-# kSplitBytes): the flags (66 slots x 4 warpgroups, 128-byte aligned), then 66 slots of partial sums
-# (512 threads x 64 float32).
-RS4_SPLIT_BYTES = -(-66 * 4 * 4 // 128) * 128 + 66 * 512 * 64 * 4
 
 
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:

@@ -11,9 +11,12 @@
 //    one contiguous 16-byte chunk of a weight row (8 bf16, 16 8-bit codes or 32 nibbles) and reads
 //    the activations of the same k positions; no ldmatrix or shuffle is needed, and the 4-bit
 //    magic-number conversion may pair k with k + 4 (the activations are permuted to match).
-//  * Weights travel by cp.async (16-byte, L2 256-byte prefetch) into a 4-stage ring of 16 KB per
-//    stage per CTA; every lane reads back only the bytes it copied. Activations of the item's rows
-//    go through the same ring once per CTA and are shared by its warps.
+//  * Weights travel by cp.async (16-byte, L2 256-byte prefetch) into a 3-stage ring of 16 KB per
+//    stage per CTA; every lane reads back only the bytes it copied. Three stages, not four: the
+//    16 KB freed per CTA hold more items' activations whole (no CTA barrier per stage), and two
+//    stages ahead still cover the weights' latency (benchmarks/NOTES.md, v30: 4-bit decode 0.96-1.01x
+//    the four-stage time, qwen3 fp8 M = 1 0.89x, bf16 / fp8 otherwise within 1.2%). Activations of
+//    the item's rows go through the same ring once per CTA and are shared by its warps.
 //  * Dequantization happens in registers after the shared-memory read, with packed 16-bit bit
 //    tricks where they are exact (int4 with 16-bit scales of the activation type; e2m1 with e8m0
 //    scales and bf16 activations) and otherwise in float32 with the contract's formula (the
@@ -54,7 +57,7 @@ using gemm::RowMode;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kNT = 2;                                  // 16-row weight tiles per warp
-constexpr int kStages = 4;                              // cp.async ring depth
+constexpr int kStages = 3;                              // cp.async ring depth
 constexpr int kItemRows = 16;                           // rows (tokens) of a work item, as a rule
 constexpr int kMaxRows = 32;                            // ... and at most (grouped, D.item_rows)
 constexpr int kLaneBytes = kNT * 2 * 16;                // weight bytes one lane copies per stage

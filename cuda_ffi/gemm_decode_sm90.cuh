@@ -157,6 +157,15 @@ inline int xq_region_bytes(const DecodeLaunch& D) {
                                                                       : xq_scales_offset(D) + xq_scales_bytes(D);
 }
 
+// The wk groups' partial sums red[wk][kMaxRows][bn + 8] (float32, Kern::run's reduction) fit in the
+// weight ring alone, for every split of the warps.
+constexpr bool reduction_fits_ring() {
+  for (int wk = 1; wk <= kWarps; wk *= 2)
+    if (wk * kMaxRows * (kWarps / wk * kRowsPerWarp + 8) * 4 > kStages * kWStageBytes) return false;
+  return true;
+}
+static_assert(reduction_fits_ring(), "the reduction buffer must fit in the weight ring");
+
 // Shared memory of a launch: the ring (weights + activations); the reduction reuses it.
 inline size_t decode_smem_bytes(const DecodeLaunch& D) {
   return static_cast<size_t>(kStages) * kWStageBytes + static_cast<size_t>(D.act_region_bytes);

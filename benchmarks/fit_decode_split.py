@@ -20,7 +20,8 @@ SMS = 132                      # H200
 SMEM_PER_SM = 228 * 1024       # gemm_decode_sm90.cu kSmemPerSm
 SMEM_RESERVED_PER_CTA = 1024 + 768
 MAX_DYNAMIC_SMEM = 227 * 1024 - 768
-STAGES, W_STAGE_BYTES, WARPS, ROWS_PER_WARP, ITEM_ROWS = 4, 16 * 1024, 8, 32, 16
+# The ring's stages: 3 since v30 (kStages); sweeps measured before v30 ran on 4 (--stages 4).
+STAGES, W_STAGE_BYTES, WARPS, ROWS_PER_WARP, ITEM_ROWS = 3, 16 * 1024, 8, 32, 16
 
 
 @dataclass
@@ -133,10 +134,14 @@ def evaluate(items: list[dict], rule) -> dict:
 
 
 def main() -> None:
+    global STAGES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sweep", help="sweep_env.py JSON of HUMMING_JAX_DECODE_WK with launches_us")
     p.add_argument("--show", action="store_true", help="each GEMM's choice under both rules")
+    p.add_argument("--stages", type=int, default=STAGES, choices=(3, 4),
+                   help="the decode ring's stages when the sweep ran (4 before v30)")
     args = p.parse_args()
+    STAGES = args.stages
     with open(args.sweep) as fh:
         items = gemms(json.load(fh))
     fmt = "{mean:6.2%} mean, {worst:6.2%} worst, {total:6.2%} in total above the per-GEMM best"

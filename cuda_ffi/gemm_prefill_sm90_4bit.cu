@@ -1260,7 +1260,9 @@ __device__ __forceinline__ void wsp_consume(const Params4& P, const WspItem& it,
                          tid & 127, wg_sync);
 }
 
-// Grid: x = min(SMs, items); each CTA takes items blockIdx.x, + gridDim.x, ...
+// Grid: x = min(SMs, the items' bound x the parts an item may take); each CTA takes items
+// blockIdx.x, + gridDim.x, ..., then its unit of a split last round (wsp_each_unit); CTAs beyond
+// the work exit at once.
 template <Codes C, typename Sh>
 __global__ void __launch_bounds__(Sh::kThreads, 1) gemm4_wsp_kernel(const __grid_constant__ Ws4Params W) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900

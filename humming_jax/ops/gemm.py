@@ -510,7 +510,6 @@ def rs4_workspace_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantize
     return 128 + -(-(128 + tile_list) // 128) * 128 + rows * w.k * 2 + RS4_SPLIT_BYTES
 
 
-
 def dequant_buffer_bytes(rows: int, w: PackedWeight, act_dtype: Any, act_quantized: bool) -> int:
     """Workspace bytes ``gemm_grouped`` adds for dequantizing experts (0 when the call cannot take
     that path: 16-bit weights, 8-bit activations, too few rows per expert, K or N not a multiple

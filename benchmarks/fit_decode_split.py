@@ -36,9 +36,11 @@ def expected_distinct(e: int, draws: int) -> int:
     return math.ceil(e * (1 - (1 - 1 / e) ** draws)) if e > 0 and draws > 0 else 0
 
 
-def candidates(fmt: str, n: int, k: int, e: int, rows: int, max_wk: int = WARPS) -> list[Candidate]:
+def candidates(fmt: str, n: int, k: int, e: int, rows: int, max_wk: int = WARPS,
+               stages: int = STAGES) -> list[Candidate]:
     """The splits plan() may take for an indexed call of ``rows`` routed rows (block_m = 16);
-    ``max_wk`` 4 for a GEMM1 that pairs gate and up halves in its epilogue (gemm_indexed_gated)."""
+    ``max_wk`` 4 for a GEMM1 that pairs gate and up halves in its epilogue (gemm_indexed_gated);
+    ``stages`` the ring's depth when the sweep ran."""
     q8 = fmt.startswith("w8a8")
     four = "int4" in fmt or "mxfp4" in fmt
     raw = fmt == "bf16"
@@ -54,7 +56,7 @@ def candidates(fmt: str, n: int, k: int, e: int, rows: int, max_wk: int = WARPS)
         if wk > max_wk or (wk > 1 and wk > nc):
             break
         base = wk * kw * asz
-        smem = STAGES * (W_STAGE_BYTES + max_rows * (base + ((want - base % 128) + 128) % 128))
+        smem = stages * (W_STAGE_BYTES + max_rows * (base + ((want - base % 128) + 128) % 128))
         if smem > MAX_DYNAMIC_SMEM:
             break
         per_sm = min(2, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
@@ -103,8 +105,8 @@ def per_gemm_times(sequence: list[list]) -> tuple[list[float], list[float]]:
     return gemm_us[0::2], gemm_us[1::2]
 
 
-def gemms(data: dict) -> list[dict]:
-    """One entry per GEMM: its name, candidates and µs per forced wk."""
+def gemms(data: dict, stages: int = STAGES) -> list[dict]:
+    """One entry per GEMM: its name, candidates (a ring of ``stages``) and µs per forced wk."""
     out = []
     for row in data["rows"]:
         e, topk, h, i = ms.SHAPES[row["shape"]]
@@ -120,7 +122,7 @@ def gemms(data: dict) -> list[dict]:
         follows = [is_gemm_launch(a[0]) and not is_gemm_launch(b[0]) for a, b in zip(seq, seq[1:])]
         gated = not row["format"].startswith("w8a8") and not any(follows)
         for g, (n, k) in enumerate(((2 * i, h), (h, i))):
-            cs = candidates(row["format"], n, k, e, row["M"] * topk, 4 if gated and g == 0 else WARPS)
+            cs = candidates(row["format"], n, k, e, row["M"] * topk, 4 if gated and g == 0 else WARPS, stages)
             t = {c.wk: per_value[str(c.wk)][g] for c in cs}
             out.append({"name": f"{row['shape']} {row['format']} M={row['M']} GEMM{g + 1}", "cands": cs, "us": t})
     return out
@@ -134,16 +136,14 @@ def evaluate(items: list[dict], rule) -> dict:
 
 
 def main() -> None:
-    global STAGES
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sweep", help="sweep_env.py JSON of HUMMING_JAX_DECODE_WK with launches_us")
     p.add_argument("--show", action="store_true", help="each GEMM's choice under both rules")
     p.add_argument("--stages", type=int, default=STAGES, choices=(3, 4),
                    help="the decode ring's stages when the sweep ran (4 before v30)")
     args = p.parse_args()
-    STAGES = args.stages
     with open(args.sweep) as fh:
-        items = gemms(json.load(fh))
+        items = gemms(json.load(fh), args.stages)
     fmt = "{mean:6.2%} mean, {worst:6.2%} worst, {total:6.2%} in total above the per-GEMM best"
     print(f"{len(items)} GEMMs")
     print("resident (previous):", fmt.format(**evaluate(items, by_resident)))

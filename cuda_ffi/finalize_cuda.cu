@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "cuda_launch.cuh"
+#include "dependent_launch.cuh"
 #include "ffi_common.h"
 
 namespace hj {
@@ -73,6 +74,7 @@ template <ElemType T, int V, int J, int C>
 __global__ void finalize_kernel(const uint16_t* __restrict__ d, const float* __restrict__ w,
                                 const int32_t* __restrict__ src, uint16_t* __restrict__ out, int64_t M, int64_t H,
                                 int64_t k, int64_t Rd) {
+  begin_dependent_grid();  // launch() launches it dependent on the kernel before it
   const int64_t Q = H / (V * C);
   const int64_t n = M * Q;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
@@ -119,7 +121,7 @@ void launch(cudaStream_t stream, const uint16_t* d, const float* w, const int32_
             int64_t H, int64_t k, int64_t Rd) {
   constexpr int threads = 256;
   const unsigned blocks = grid_for(M * H / (V * C), threads, 8192);
-  finalize_kernel<T, V, J, C><<<blocks, threads, 0, stream>>>(d, w, src, out, M, H, k, Rd);
+  launch_dependent(finalize_kernel<T, V, J, C>, dim3(blocks), dim3(threads), 0, stream, d, w, src, out, M, H, k, Rd);
 }
 
 template <ElemType T>

@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "cuda_launch.cuh"
+#include "dependent_launch.cuh"
 #include "ffi_common.h"
 #include "quantize_cuda.h"
 #include "gemm_decode_sm90.h"
@@ -1231,6 +1232,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * D.bn;
   const GemmLaunch& L = D.g;
+  begin_dependent_grid();  // launch_variant launches it dependent on the kernel before it
 
   for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
     int64_t zlo = 0, zhi = 0;
@@ -1456,7 +1458,7 @@ bool launch_variant(const DecodeLaunch& D, dim3 grid, size_t smem, cudaStream_t 
   static unsigned configured = 0;
   // A failure stays in cudaGetLastError, which the caller's launch check reports; no launch then.
   if (!raise_smem_limit_once(kernel, kMaxDynamicSmem, true, configured)) return true;
-  kernel<<<grid, kThreads, smem, stream>>>(D);
+  launch_dependent(kernel, grid, dim3(kThreads), smem, stream, D);
   return true;
 }
 

@@ -183,6 +183,7 @@ __global__ void __launch_bounds__(kRingThreads, 1) fp8_ring_kernel(const __grid_
   __shared__ int32_t s_arow[2][kItemRows], s_crow[2][kItemRows];
   const DecodeLaunch& D = R.D;
   const GemmLaunch& L = D.g;
+  begin_dependent_grid();  // launch_ring launches it dependent on the kernel before it
   const uint32_t base = (smem_addr(ring_raw) + 1023u) & ~1023u;  // TMA's 128-byte swizzle: 1024-byte atoms
   const uint32_t wring = base, aring = base + kRingStages * kRingWBytes;
   const uint32_t bar_full = smem_addr(&bars[0]), bar_empty = smem_addr(&bars[kRingStages]);
@@ -369,7 +370,7 @@ bool launch_ring(const DecodeLaunch& D, int sms, cudaStream_t stream) {
     grid64 = (expected + rounds - 1) / rounds;
   }
   const int grid = static_cast<int>(grid64);
-  fp8_ring_kernel<T><<<grid, kRingThreads, Ring<T>::kSmem, stream>>>(R);
+  launch_dependent(fp8_ring_kernel<T>, dim3(grid), dim3(kRingThreads), Ring<T>::kSmem, stream, R);
   return true;
 }
 

@@ -21,6 +21,7 @@
 #include <algorithm>
 
 #include "cuda_launch.cuh"
+#include "dependent_launch.cuh"
 #include "ffi_common.h"
 #include "grouped_rows.cuh"
 #include "rs4_k_order.cuh"
@@ -118,6 +119,7 @@ __global__ void __launch_bounds__(kRouteThreads, 1) routing_kernel(RoutingArgs a
   __shared__ int s_warp[32];
   __shared__ int s_wcount[kRouteWarps], s_wbelow[kRouteWarps], s_wvalid[kRouteWarps];
   __shared__ int s_count;
+  begin_dependent_grid();  // launch_routing launches it dependent on the kernel before it
   const int e = blockIdx.x;
   const int E = a.num_local;
   const int bm = kIndexed ? a.block_m : 1;
@@ -255,6 +257,7 @@ template <bool kIndexed>
 __global__ void __launch_bounds__(kSmallThreads) routing_small_kernel(RoutingArgs a) {
   __shared__ int s_l[kSmallEntries];
   __shared__ int s_total;
+  begin_dependent_grid();  // launch_routing launches it dependent on the kernel before it
   const int bm = kIndexed ? a.block_m : 1;
   if (threadIdx.x < 32) {
     const unsigned full = 0xffffffffu;
@@ -332,10 +335,8 @@ Error launch_routing(const std::string& call, cudaStream_t stream, const Routing
   if (args.entries <= kSmallEntries && env_flag("HUMMING_JAX_ROUTING_SMALL", true)) {
     const int64_t work = std::max<int64_t>(args.order_len, indexed ? args.num_blocks : s.num_local);
     const unsigned grid = grid_for(work, kSmallThreads, 1024);
-    if (indexed)
-      routing_small_kernel<true><<<grid, kSmallThreads, 0, stream>>>(args);
-    else
-      routing_small_kernel<false><<<grid, kSmallThreads, 0, stream>>>(args);
+    launch_dependent(indexed ? routing_small_kernel<true> : routing_small_kernel<false>, dim3(grid),
+                     dim3(kSmallThreads), 0, stream, args);
     return launch_status(call, "routing_small_kernel");
   }
   if (indexed && s.num_local > kMaxHistExperts)
@@ -350,10 +351,8 @@ Error launch_routing(const std::string& call, cudaStream_t stream, const Routing
                              " bytes of shared memory: " + cudaGetErrorString(e));
   }
   const dim3 grid(static_cast<unsigned>(s.num_local));
-  if (indexed)
-    routing_kernel<true><<<grid, kRouteThreads, smem, stream>>>(args, shared_map);
-  else
-    routing_kernel<false><<<grid, kRouteThreads, smem, stream>>>(args, shared_map);
+  launch_dependent(indexed ? routing_kernel<true> : routing_kernel<false>, grid, dim3(kRouteThreads), smem, stream,
+                   args, shared_map);
   return launch_status(call, "routing_kernel");
 }
 

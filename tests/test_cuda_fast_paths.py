@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import TOL, cuda_constant, nan_out, random_layer
+from conftest import TOL, cuda_constant, nan_out, random_layer, random_routing
 from graph_replay import replay_both_ways
 
 import humming_jax as hj
@@ -1577,6 +1577,50 @@ def test_decode_layer_against_oracle_with_poisoned_out(rng, cls, scheme, m):
     assert np.all(np.isfinite(_to_np(got))), "every row of out must be written"
     err = relative_error(got, want)
     assert err <= tol, f"{scheme} M={m}: relative error {err:.2e} > {tol:.1e}"
+
+
+@requires_decode
+@pytest.mark.parametrize("cls", [IndexedExperts, GroupedExperts])
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4", "w8a8-fp8-block128"])
+def test_decode_layers_in_a_chain_give_the_same_bits_with_dependent_launches(rng, monkeypatch, cls, scheme):
+    """Three decode layers back to back in one jit, each one's input the output of the one before,
+    so that every kernel reads what a kernel just before it on the stream wrote (routing, GEMM1,
+    GEMM2, finalize, the next layer's GEMM1). Dependent launches (cuda_ffi/dependent_launch.cuh,
+    HUMMING_JAX_PDL unset) give the bits of plain launches (=0), and each step agrees with the
+    oracle on its own input."""
+    steps, m, k, e_global = 3, 4, 4, 20
+    layer = random_layer(rng, m=m, e=16, h=256, i=128, k=k, scheme=scheme, e_global=e_global, pad_frac=0.1)
+    routes = [random_routing(rng, m, k, e_global, pad_frac=0.1) for _ in range(steps)]
+
+    def chain():  # a new function each time: a new executable (and command buffer) for each setting
+        def layers(x, w, routes):
+            ys = []
+            for tw, ids in routes:
+                x = cls().apply(jnp.full(x.shape, jnp.nan, x.dtype), x, w, tw, ids)
+                ys.append(x)
+            return jnp.stack(ys)
+
+        return jax.jit(layers)
+
+    args = jax.device_put((layer.x, layer.weights, routes), GPU)
+    got = {}
+    for pdl in (None, "0"):
+        if pdl is None:
+            monkeypatch.delenv("HUMMING_JAX_PDL", raising=False)
+        else:
+            monkeypatch.setenv("HUMMING_JAX_PDL", pdl)
+        with _LaunchCount(_DECODE_LAUNCHES) as launched:
+            got[pdl] = _to_np(jax.block_until_ready(chain()(*args)))
+        assert launched.count == 2 * steps, "every GEMM of the chain should take the decode kernel"
+    assert np.all(np.isfinite(got[None])), "every row of every step must be written"
+    np.testing.assert_array_equal(got[None], got["0"])
+    quant = act_quant_params(layer.weights.act_key)
+    tol = TOL[jnp.dtype(layer.x.dtype)] + ({"fp8": 2.0**-4, "int8": 2.0**-7}[quant[0]] if quant else 0.0)
+    inputs = [layer.x] + [jnp.asarray(y, layer.x.dtype) for y in got[None][:-1]]
+    for s, (x, (tw, ids)) in enumerate(zip(inputs, routes)):
+        want = moe_reference(x, layer.w13, layer.w2, tw, ids, input_quant=InputQuant(*quant) if quant else None)
+        err = relative_error(got[None][s], want)
+        assert err <= tol, f"{scheme} step {s}: relative error {err:.2e} > {tol:.1e}"
 
 
 @requires_decode

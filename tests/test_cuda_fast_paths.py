@@ -1624,6 +1624,39 @@ def test_decode_layers_in_a_chain_give_the_same_bits_with_dependent_launches(rng
 
 
 @requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4"])
+def test_decode_used_blocks_without_valid_ids_leave_the_others_exact(rng, scheme):
+    """A caller's own indexed layout (routing never makes one) with used blocks whose expert is
+    valid but whose ids are all padding: the decode kernel has already issued such a block's first
+    weight copies when it finds no rows (decode_kernel's early copies), takes none, and every row
+    of the other blocks agrees with the CPU."""
+    e, n, kdim, m, k = 8, 200, 512, 12, 2
+    dtype = SCHEMES[scheme].default_dtype
+    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+    ids = jnp.asarray(np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int32))
+    bm = 16
+    r = jax.device_get(jax.jit(lambda i: routing_ops.routing_indexed(i, None, e, bm))(jax.device_put(ids, CPU)))
+    sorted_ids, blocks = np.array(r.sorted_ids), np.array(r.block_expert_ids)
+    used = int(np.array(r.num_tokens_post_padded)[0]) // bm
+    emptied = rng.choice(used, size=max(1, used // 3), replace=False)
+    for b in emptied:
+        assert 0 <= blocks[b] < e
+        sorted_ids[b * bm:(b + 1) * bm] = m * k  # padding
+    routing = routing_ops.IndexedRouting(jnp.asarray(sorted_ids), jnp.asarray(blocks), r.num_tokens_post_padded,
+                                         r.src_rows)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), dtype)
+    fn = jax.jit(lambda x, w, r: gemm_ops.gemm_indexed(x, None, w, None, r, rows=m * k, gather_div=k, block_m=bm,
+                                                      out_dtype=dtype))
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
+        got = _to_np(jax.block_until_ready(fn(*jax.device_put((x, w, routing), GPU))))
+    assert launched.count == 1, "the call should take the decode kernel"
+    want = _to_np(fn(*jax.device_put((x, w, routing), CPU)))
+    kept = sorted_ids[sorted_ids < m * k]
+    assert kept.size > 0
+    _assert_close(got[kept], want[kept], dtype, f"{scheme}: rows of the blocks with ids")
+
+
+@requires_decode
 @pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w8a8-fp8-block128"])
 def test_decode_batched_layer_against_oracle(rng, scheme):
     e, t, h, i = 8, 12, 256, 128

@@ -511,12 +511,25 @@ struct Kern {
   // The weights of the ring's first kStages - 1 stages, not committed: run() (weights_issued)
   // commits them with its first stage's copies. Issued as soon as the item's expert is known, so
   // that their memory latency overlaps the rest of the item's set-up.
+  // With them, the scales those stages use are prefetched into L1 (run's first load_scales would
+  // otherwise wait on their own memory latency after the weights arrived).
   static __device__ __forceinline__ void issue_first_weights(const DecodeLaunch& D, const Item& it_, uint8_t* smem,
                                                              int warp, int lane) {
     const int wk = warp >> (__ffs(D.wn) - 1);
 #pragma unroll
-    for (int st = 0; st < kStages - 1; ++st)
-      if (st < D.iters) issue(D, it_, st, smem, nullptr, wk, warp, lane, 0, true);
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st >= D.iters) break;
+      issue(D, it_, st, smem, nullptr, wk, warp, lane, 0, true);
+      if constexpr (kScaled && kSB > 0) {
+        const uint32_t k0 = min(static_cast<uint32_t>((st * D.wk + wk) * kKw + (lane & 3) * kEpc),
+                                static_cast<uint32_t>(D.K - 1));
+        const uint32_t sk0 = D.div_gk.div(k0);
+        const uint8_t* scale = static_cast<const uint8_t*>(D.g.p.w.scale);
+        for_rows(it_, [&](int, int, uint32_t base) {
+          asm volatile("prefetch.global.L1 [%0];\n" ::"l"(scale + static_cast<size_t>(base + sk0) * kSB));
+        });
+      }
+    }
   }
 
   // The item's weight and scale rows for the CTA's slice from row n0 of expert `expert` (a valid

@@ -17,17 +17,28 @@ decode K split).
 
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WK --values unset,1,2,4,8 --out sweep.json
     python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_WHOLE_ACT --values 1,0 --tokens 1,16
+    python3 benchmarks/sweep_env.py --var HUMMING_JAX_PDL --values unset,0 --part layer \\
+        --xla-flags=--xla_gpu_enable_command_buffer=     # stream execution, no CUDA graphs
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from bench_moe import SERVING_XLA_FLAGS
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SERVING_XLA_FLAGS}".strip()
 
-import argparse  # noqa: E402
+def _added_xla_flags() -> str:
+    """--xla-flags from the command line (read before jax is imported), else the serving flags."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--xla-flags", default=None)
+    known, _ = pre.parse_known_args()
+    return SERVING_XLA_FLAGS if known.xla_flags is None else known.xla_flags
+
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_added_xla_flags()}".strip()
+
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -105,6 +116,9 @@ def main() -> None:
     p.add_argument("--timer", choices=("wall", "device"), default="wall",
                    help="wall clock around each sample, or the GPU's kernel activity in a trace of it")
     p.add_argument("--out", default="sweep_env.json")
+    p.add_argument("--xla-flags", default=None,
+                   help=f'XLA flags to add instead of the serving ones ({SERVING_XLA_FLAGS}); "" adds none, and '
+                        '"--xla_gpu_enable_command_buffer=" runs without command buffers')
     args = p.parse_args()
     values = [v for v in args.values.split(",") if v]
     before = os.environ.get(args.var)

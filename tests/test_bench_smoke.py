@@ -189,6 +189,18 @@ def test_env_sweep_times_every_value_in_turn(tmp_path):
     assert all(v > 0 for v in row["ms"].values())
 
 
+def test_env_sweep_xla_flags_replace_the_serving_ones(monkeypatch):
+    from bench_moe import SERVING_XLA_FLAGS
+    from sweep_env import _added_xla_flags
+
+    monkeypatch.setattr(sys, "argv", ["sweep_env.py", "--var", "HUMMING_JAX_PDL", "--values", "unset,0"])
+    assert _added_xla_flags() == SERVING_XLA_FLAGS
+    monkeypatch.setattr(sys, "argv", ["sweep_env.py", "--xla-flags=--xla_gpu_enable_command_buffer=", "--part", "layer"])
+    assert _added_xla_flags() == "--xla_gpu_enable_command_buffer="
+    monkeypatch.setattr(sys, "argv", ["sweep_env.py", "--xla-flags", "", "--tokens", "1"])
+    assert _added_xla_flags() == ""
+
+
 def test_launch_medians_take_each_position_apart_and_refuse_differing_kernels():
     from sweep_env import launch_medians
 

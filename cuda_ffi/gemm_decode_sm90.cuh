@@ -1299,7 +1299,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * D.bn;
   const GemmLaunch& L = D.g;
-  begin_dependent_grid();  // launch_variant launches it dependent on the kernel before it
+  // launch_variant launches it dependent on the kernel before it. Where only `a` waits on that
+  // kernel (GemmLaunch::inputs_ready_but_a), the first item's routing and first weights go out
+  // before the wait, overlapping that kernel's tail.
+  const bool wait_late = L.inputs_ready_but_a;
+  if (!wait_late) begin_dependent_grid();
 
   for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
     int64_t zlo = 0, zhi = 0;
@@ -1422,6 +1426,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         }
       }
     }
+    if (wait_late) begin_dependent_grid();  // before any read of a (at once after the first item)
     __syncthreads();
     const int expert = s_info[0], nvalid = s_info[1];
     if (L.mode != RowMode::kIndexed) {

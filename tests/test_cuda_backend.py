@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import TOL, nan_out, random_layer
+from conftest import TOL, layer_tolerance, nan_out, random_layer
 from graph_replay import replay_both_ways
 
 import humming_jax as hj
@@ -410,9 +410,7 @@ def test_layer_every_scheme_against_reference(rng, scheme, cls):
     quant = act_quant_params(layer.weights.act_key)
     want = moe_reference(layer.x, layer.w13, layer.w2, layer.topk_weights, layer.topk_ids,
                          input_quant=InputQuant(*quant) if quant else None)
-    # 8-bit activations: one code step on top, as in test_quantization (the jnp oracle's
-    # quantization is not bit-faithful, so rounding ties can resolve the other way).
-    tol = TOL[jnp.dtype(x.dtype)] + ({"fp8": 2.0**-4, "int8": 2.0**-7}[quant[0]] if quant else 0.0)
+    tol = layer_tolerance(x.dtype, quant)
     err = relative_error(got, want)
     assert err <= tol, f"{scheme}: relative error {err:.2e} > {tol:.1e}"
 

@@ -27,6 +27,7 @@ from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
 from humming_jax.testing import (
+    experts_indexed_forms,
     gated_forms,
     gemm_forms,
     grouped_gated_both,
@@ -1397,6 +1398,37 @@ def test_decode_gated_epilogue_matches_two_calls_and_cpu(rng, monkeypatch, schem
     assert launches.count == 2, f"{what}: {launches.count} decode launches"
     expect = int(variant != "unfused" and scheme != "w8a16-fp8-block128")  # raw and packed variants only
     assert gated.count == expect, f"{what}: {gated.count} gated launches"
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0)])
+@pytest.mark.parametrize("pdl", [None, "0"])
+@pytest.mark.parametrize("m,k,e,h,i", [(1, 8, 128, 512, 256), (16, 4, 8, 256, 384), (5, 2, 6, 1024, 128)])
+def test_decode_experts_indexed_matches_two_calls_and_cpu(rng, monkeypatch, scheme, activation, limit, pdl, m, k, e,
+                                                          h, i):
+    """experts_indexed on the GPU: both GEMMs on the decode kernel (GEMM1 writing the activated
+    pairs, GEMM2 launched dependent on it and reading the routing and its first weights before
+    its wait), with the bits of gemm_indexed_gated then gemm_indexed in calls of their own, with
+    dependent launches on (HUMMING_JAX_PDL unset) and off, and close to the CPU's values."""
+    if pdl is None:
+        monkeypatch.delenv("HUMMING_JAX_PDL", raising=False)
+    else:
+        monkeypatch.setenv("HUMMING_JAX_PDL", pdl)
+    dtype = SCHEMES[scheme].default_dtype
+    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
+    w2 = _decode_weights(rng, scheme, dtype, e, h, i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1)
+    ids, _ = _decode_routing(rng, m, k, e)
+    ids = jnp.where(ids >= e, -1, ids)
+    fn, ops = experts_indexed_forms(rng, w13, b13, w2, b2, dtype, ids, activation, limit)
+    what = f"{scheme} {activation} pdl={pdl} M={m} E={e} H={h} I={i}"
+    with _LaunchCount(_DECODE_GATED_LAUNCHES) as gated, _LaunchCount(_DECODE_LAUNCHES) as launches:
+        got = _run_on(GPU, fn, ops)
+    _check_fused_forms(got, fn, ops, dtype, what, exact=True)
+    assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
+    assert gated.count == 2, f"{what}: {gated.count} gated launches (GEMM1 of each form)"
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):

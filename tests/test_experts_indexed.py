@@ -14,7 +14,7 @@ import pytest
 from conftest import layer_tolerance, random_layer, reference, run_standard
 
 from humming_jax import testing
-from humming_jax.experts import IndexedExperts, indexed_block_m
+from humming_jax.experts import IndexedExperts
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES
@@ -22,26 +22,13 @@ from humming_jax.reference import relative_error
 
 
 def _pair_forms(rng, scheme, dtype, m, k, e, h, i, activation, limit, pad=0.2, bias=True):
-    """Random weights and ids, and fn(x, ids, w13, b13, w2, b2) -> dict(pair, two, src)."""
+    """Random weights (w13 [e, 2i, h], w2 [e, h, i]) and ids: testing.experts_indexed_forms."""
     w13 = SCHEMES[scheme].quantize((rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(np.float32), dtype)
     w2 = SCHEMES[scheme].quantize((rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32), dtype)
     b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1) if bias else None
     b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1) if bias else None
     ids = testing.distinct_topk_ids(rng, m, k, e, pad=pad)
-    x = jnp.asarray(rng.standard_normal((m, h)), dtype)
-    bm = indexed_block_m(m * k, e)
-
-    def fn(x, ids, w13, b13, w2, b2):
-        r = routing_ops.routing_indexed(ids, None, e, bm)
-        common = dict(rows=m * k, block_m=bm, out_dtype=dtype)
-        pair = gemm_ops.experts_indexed(x, w13, b13, w2, b2, r, gather_div=k, activation=activation, limit=limit,
-                                        **common)
-        y = gemm_ops.gemm_indexed_gated(x, None, w13, b13, r, gather_div=k, activation=activation, limit=limit,
-                                        **common)
-        two = gemm_ops.gemm_indexed(y, None, w2, b2, r, gather_div=1, **common)
-        return dict(fused=pair, two=two, src=r.src_rows)
-
-    return fn, (x, ids, w13, b13, w2, b2)
+    return testing.experts_indexed_forms(rng, w13, b13, w2, b2, dtype, ids, activation, limit)
 
 
 @pytest.mark.parametrize("scheme,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16),
@@ -109,7 +96,7 @@ def test_indexed_layer_graph_has_the_one_call_unless_switched_off(rng, monkeypat
 
 
 def test_experts_indexed_rejects_bad_input(rng):
-    e, h, i, m, k = 4, 128, 64, 3, 2
+    e, h, i, m, k = 4, 256, 128, 3, 2
     q = SCHEMES["w4a16-int4-g128"].quantize
     w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32), jnp.bfloat16)
     w2 = q(rng.standard_normal((e, h, i)).astype(np.float32), jnp.bfloat16)

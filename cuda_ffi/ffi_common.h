@@ -527,6 +527,49 @@ auto bind_gemm_indexed_gated() {
       .template Attr<float>("limit");
 }
 
+// experts_indexed(x, w13..., w2..., sorted_ids, block_expert_ids, num_tokens_post_padded)
+//   -> d, y, c: the indexed layer's two GEMMs with a gated activation between them in one call,
+//   y = gemm_indexed_gated(x, w13) [M * top_k, I] and d = gemm_indexed(y, w2) [M * top_k, H]
+//   (c as in gemm_indexed_gated); 16-bit activations. GEMM1's attributes have gemm_indexed's
+//   names, GEMM2's the prefix down_.
+template <typename PlatformCtx>
+auto bind_experts_indexed() {
+  return bind_base<PlatformCtx>()
+      .template Arg<AnyBuffer>()  // x [M, H]
+      .template Arg<AnyBuffer>()  // w13: qweight
+      .template Arg<AnyBuffer>()  //      scale
+      .template Arg<AnyBuffer>()  //      zero
+      .template Arg<AnyBuffer>()  //      scale2
+      .template Arg<AnyBuffer>()  //      bias
+      .template Arg<AnyBuffer>()  // w2: qweight
+      .template Arg<AnyBuffer>()  //     scale
+      .template Arg<AnyBuffer>()  //     zero
+      .template Arg<AnyBuffer>()  //     scale2
+      .template Arg<AnyBuffer>()  //     bias
+      .template Arg<AnyBuffer>()  // sorted_ids
+      .template Arg<AnyBuffer>()  // block_expert_ids
+      .template Arg<AnyBuffer>()  // num_tokens_post_padded
+      .template Ret<AnyBuffer>()  // d [M * top_k, H]
+      .template Ret<AnyBuffer>()  // y [M * top_k, I]
+      .template Ret<AnyBuffer>()  // c [M * top_k, 2 I]
+      .template Attr<int64_t>("weight_type")
+      .template Attr<int64_t>("group_n")
+      .template Attr<int64_t>("group_k")
+      .template Attr<int64_t>("has_zero")
+      .template Attr<int64_t>("has_scale2")
+      .template Attr<int64_t>("has_bias")
+      .template Attr<int64_t>("down_weight_type")
+      .template Attr<int64_t>("down_group_n")
+      .template Attr<int64_t>("down_group_k")
+      .template Attr<int64_t>("down_has_zero")
+      .template Attr<int64_t>("down_has_scale2")
+      .template Attr<int64_t>("down_has_bias")
+      .template Attr<int64_t>("gather_div")
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("activation")
+      .template Attr<float>("limit");
+}
+
 // gemm_grouped(a, a_scale, w..., expert_first_token_offset) -> c, workspace; a_k_order = 1: a's
 // rows are in the 4-bit prefill mainloop's k order (rs4_k_order.h; check_a_k_order)
 template <typename PlatformCtx>
@@ -935,6 +978,38 @@ inline Error parse_gemm_indexed_gated(const std::string& call, const AnyBuffer& 
                        {span_of("a", a), span_of("a_scale", a_scale), span_of("qweight", qweight),
                         span_of("scale", scale), span_of("zero", zero), span_of("scale2", scale2),
                         span_of("bias", bias)});
+}
+
+// experts_indexed: GEMM1 (gemm_indexed_gated over x, gather_div) into y / c, then GEMM2
+// (gemm_indexed over y, one row per id) into d, over the same routing. The weights of both GEMMs
+// are apart from every result.
+struct ExpertsIndexedCall {
+  GemmProblem up, down;
+  IndexedLayout up_l, down_l;
+};
+inline Error parse_experts_indexed(const std::string& call, const AnyBuffer& x, const AnyBuffer* w13,
+                                   const AnyBuffer* w2, const AnyBuffer& sorted_ids,
+                                   const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp, const WeightAttrs& up,
+                                   const WeightAttrs& down, int64_t activation, int64_t gather_div, int64_t block_m,
+                                   const AnyBuffer& d, const AnyBuffer& y, const AnyBuffer& c,
+                                   ExpertsIndexedCall* out) {
+  // x stands in for the absent activation scales (16-bit activations: act_group_k 0, never read).
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_gated(call, x, x, w13[0], w13[1], w13[2], w13[3], w13[4], sorted_ids,
+                                              block_expert_ids, ntpp, GemmAttrs{up, 0}, activation, gather_div,
+                                              block_m, y, c, &out->up, &out->up_l));
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, y, y, w2[0], w2[1], w2[2], w2[3], w2[4], sorted_ids,
+                                        block_expert_ids, ntpp, GemmAttrs{down, 0}, 1, block_m, d, &out->down,
+                                        &out->down_l));
+  if (out->down.N != dim(x, 1))
+    return invalid(call, "w2 must have H = " + std::to_string(dim(x, 1)) + " rows (x's columns), got " +
+                             std::to_string(out->down.N));
+  return check_no_overlap(call, {span_of("d", d), span_of("y", y), span_of("c", c)},
+                          {span_of("w13", w13[0]), span_of("w13 scale", w13[1]), span_of("w13 zero", w13[2]),
+                           span_of("w13 scale2", w13[3]), span_of("w13 bias", w13[4]), span_of("w2", w2[0]),
+                           span_of("w2 scale", w2[1]), span_of("w2 zero", w2[2]), span_of("w2 scale2", w2[3]),
+                           span_of("w2 bias", w2[4]), span_of("x", x),
+                           span_of("sorted_ids", sorted_ids), span_of("block_expert_ids", block_expert_ids),
+                           span_of("num_tokens_post_padded", ntpp)});
 }
 
 // gemm_indexed_quant: x [M, N1] 16-bit, activated when activation >= 0 (else N1 = K), quantized

@@ -115,6 +115,29 @@ Error GemmIndexedGatedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, Any
   return Error::Success();
 }
 
+Error ExpertsIndexedCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w1_zero, AnyBuffer w1_scale2,
+                        AnyBuffer w1_bias, AnyBuffer w2, AnyBuffer w2_scale, AnyBuffer w2_zero, AnyBuffer w2_scale2,
+                        AnyBuffer w2_bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids, AnyBuffer ntpp,
+                        Result<AnyBuffer> d, Result<AnyBuffer> y, Result<AnyBuffer> c, int64_t weight_type,
+                        int64_t group_n, int64_t group_k, int64_t has_zero, int64_t has_scale2, int64_t has_bias,
+                        int64_t down_weight_type, int64_t down_group_n, int64_t down_group_k, int64_t down_has_zero,
+                        int64_t down_has_scale2, int64_t down_has_bias, int64_t gather_div, int64_t block_m,
+                        int64_t activation, float limit) {
+  const AnyBuffer up_w[5] = {w1, w1_scale, w1_zero, w1_scale2, w1_bias};
+  const AnyBuffer down_w[5] = {w2, w2_scale, w2_zero, w2_scale2, w2_bias};
+  ExpertsIndexedCall g;
+  HJ_RETURN_IF_ERROR(parse_experts_indexed(
+      "experts_indexed", x, up_w, down_w, sorted_ids, block_expert_ids, ntpp,
+      WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
+      WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
+      activation, gather_div, block_m, *d, *y, *c, &g));
+  gemm_indexed_runs(g.up, g.up_l);
+  activate_rows_cpu(g.up.c_type, c->untyped_data(), dim(*c, 0), g.up.N, g.up.N / 2, static_cast<int>(activation),
+                    limit, y->untyped_data());
+  gemm_indexed_runs(g.down, g.down_l);
+  return Error::Success();
+}
+
 // The grouped GEMM of R rows of p.a: rows [off[e], off[e+1]) (clamped monotone into [0, R]) use
 // expert e, rows past the last offset become zeros.
 void grouped_rows_cpu(const GemmProblem& p, const int32_t* off, int64_t R) {
@@ -254,6 +277,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCpu, hj::GemmIndexedQuantCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCpu, hj::GemmIndexedGatedCpu,
                               hj::bind_gemm_indexed_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjExpertsIndexedCpu, hj::ExpertsIndexedCpu, hj::bind_experts_indexed<void>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatedCpu, hj::GemmGroupedGatedCpu,
                               hj::bind_gemm_grouped_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatherCpu, hj::GemmGroupedGatherCpu,

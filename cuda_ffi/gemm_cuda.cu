@@ -96,11 +96,13 @@ Error launch(const std::string& call, const GemmLaunch& L, int bm, int64_t m_til
 
 // The indexed GEMM of a parsed problem over a checked layout (gemm_indexed, gemm_indexed_quant,
 // gemm_indexed_gated).
+// inputs_ready_but_a: GemmLaunch::inputs_ready_but_a (the launch follows a kernel of the same call).
 Error launch_indexed(const std::string& call, const GemmProblem& p, const IndexedLayout& l, int64_t gather_div,
                      int64_t block_m, cudaStream_t stream, const InputQuant* qin = nullptr,
-                     const GatedOut* gate = nullptr, bool* gated = nullptr) {
+                     const GatedOut* gate = nullptr, bool* gated = nullptr, bool inputs_ready_but_a = false) {
   GemmLaunch L{};
   HJ_RETURN_IF_ERROR(prepare(call, p, &L));
+  L.inputs_ready_but_a = inputs_ready_but_a;
   const int bm = pick_bm(block_m);
   L.mode = RowMode::kIndexed;
   L.E = p.w.E;
@@ -169,6 +171,39 @@ Error GemmIndexedGatedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, 
   // The GEMM wrote c: the activation kernel makes y from it.
   return launch_activation(call, stream, c->untyped_data(), y->untyped_data(), p.c_type, static_cast<int>(activation),
                            limit, dim(*c, 0), p.N, p.N / 2);
+}
+
+// GEMM1 with its gated activation, then GEMM2 launched dependent on GEMM1's (or the activation's)
+// kernel: inside one call the two join without a full stream (or graph-node) boundary, and
+// GEMM2's decode kernel reads the routing and issues its first weights while GEMM1 finishes
+// (everything before GEMM1 has completed once GEMM1's CTAs have passed their own wait).
+Error ExpertsIndexedCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w1_zero,
+                         AnyBuffer w1_scale2, AnyBuffer w1_bias, AnyBuffer w2, AnyBuffer w2_scale, AnyBuffer w2_zero,
+                         AnyBuffer w2_scale2, AnyBuffer w2_bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
+                         AnyBuffer ntpp, Result<AnyBuffer> d, Result<AnyBuffer> y, Result<AnyBuffer> c,
+                         int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero, int64_t has_scale2,
+                         int64_t has_bias, int64_t down_weight_type, int64_t down_group_n, int64_t down_group_k,
+                         int64_t down_has_zero, int64_t down_has_scale2, int64_t down_has_bias, int64_t gather_div,
+                         int64_t block_m, int64_t activation, float limit) {
+  const std::string call = "experts_indexed";
+  const AnyBuffer up_w[5] = {w1, w1_scale, w1_zero, w1_scale2, w1_bias};
+  const AnyBuffer down_w[5] = {w2, w2_scale, w2_zero, w2_scale2, w2_bias};
+  ExpertsIndexedCall g;
+  HJ_RETURN_IF_ERROR(parse_experts_indexed(
+      call, x, up_w, down_w, sorted_ids, block_expert_ids, ntpp,
+      WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
+      WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
+      activation, gather_div, block_m, *d, *y, *c, &g));
+  const GatedOut gate{static_cast<int>(activation), limit, y->untyped_data()};
+  bool gated = false;
+  HJ_RETURN_IF_ERROR(launch_indexed(call, g.up, g.up_l, gather_div, block_m, stream, nullptr, &gate, &gated));
+  if (!gated)
+    HJ_RETURN_IF_ERROR(launch_activation(call, stream, c->untyped_data(), y->untyped_data(), g.up.c_type,
+                                         static_cast<int>(activation), limit, dim(*c, 0), g.up.N, g.up.N / 2));
+  // GEMM1 launches a kernel unless it has no blocks or no columns; without one, the kernel before
+  // GEMM2 could be the routing's own, whose results are not final while it runs.
+  const bool up_launched = g.up_l.num_blocks > 0 && g.up.N > 0;
+  return launch_indexed(call, g.down, g.down_l, 1, block_m, stream, nullptr, nullptr, nullptr, up_launched);
 }
 
 // Rows of K 16-bit values in the 4-bit mainloop's k order (rs4_k_order.h) back in their natural
@@ -364,6 +399,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedQuantCuda, hj::GemmIndexedQuantCuda,
                               hj::bind_gemm_indexed_quant<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCuda, hj::GemmIndexedGatedCuda,
                               hj::bind_gemm_indexed_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjExpertsIndexedCuda, hj::ExpertsIndexedCuda,
+                              hj::bind_experts_indexed<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatedCuda, hj::GemmGroupedGatedCuda,

@@ -415,6 +415,8 @@ struct Kern {
   // -1% to +1.2% (benchmarks/NOTES.md, v11j) and the other variants would spill.
   static constexpr bool kRowOffsets = DQ == Deq::kPackedFp4;
   static constexpr bool kGatedEpilogue = has_gated_epilogue(DQ);
+  // Indexed items issue their first stages' weights before placing their ids (decode_kernel).
+  static constexpr bool kEarlyWeights = DQ == Deq::kRaw || DQ == Deq::kPackedU4 || DQ == Deq::kPackedFp4;
   static constexpr int kEpc = WT == WeightType::kFloat ? 8 : (k4Bit ? 32 : 16);  // k per lane chunk
   static constexpr int kKw = 4 * kEpc;                                           // k per chunk column
   static constexpr int kAsz = kQ8 ? 1 : 2;                                       // activation bytes
@@ -455,14 +457,15 @@ struct Kern {
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
   };
 
-  // Issues the cp.async copies of iteration `it` into ring slot it % kStages.
+  // Issues the cp.async copies of iteration `it` into ring slot it % kStages: the warp's weights
+  // (unless `weights` is false: issue_first_weights copied them) and, staged, the activations.
   static __device__ __forceinline__ void issue(const DecodeLaunch& D, const Item& it_, int it, uint8_t* smem,
                                                const int64_t* s_abyte, int wk, int warp, int lane, int tid,
-                                               bool whole) {
+                                               bool whole, bool weights = true) {
     const int slot = it % kStages;
     const int c = it * D.wk + wk;
     const int t = lane & 3;
-    if (c < D.nc) {
+    if (weights && c < D.nc) {
       // The lane's part of a last, partial chunk column may lie past K: zero-filled.
       const bool kok = c * kKw + t * kEpc < D.K;
       // The lane's 16 bytes of rows 8q + g (row-major 64-byte rows). lane * 16 is added to the
@@ -503,6 +506,68 @@ struct Kern {
       const bool ok = kb < row_bytes;
       cp_async16(abase + r * D.act_row_bytes + cu * 16, ok ? a + s_abyte[r] + kb : a, ok ? 16 : 0);
     }
+  }
+
+  // The weights of the ring's first kStages - 1 stages, not committed: run() (weights_issued)
+  // commits them with its first stage's copies. Issued as soon as the item's expert is known, so
+  // that their memory latency overlaps the rest of the item's set-up.
+  // With them, the scales those stages use are prefetched into L1 (run's first load_scales would
+  // otherwise wait on their own memory latency after the weights arrived).
+  static __device__ __forceinline__ void issue_first_weights(const DecodeLaunch& D, const Item& it_, uint8_t* smem,
+                                                             int warp, int lane) {
+    const int wk = warp >> (__ffs(D.wn) - 1);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st >= D.iters) break;
+      issue(D, it_, st, smem, nullptr, wk, warp, lane, 0, true);
+      if constexpr (kScaled && kSB > 0) {
+        const uint32_t k0 = min(static_cast<uint32_t>((st * D.wk + wk) * kKw + (lane & 3) * kEpc),
+                                static_cast<uint32_t>(D.K - 1));
+        const uint32_t sk0 = D.div_gk.div(k0);
+        const uint8_t* scale = static_cast<const uint8_t*>(D.g.p.w.scale);
+        for_rows(it_, [&](int, int, uint32_t base) {
+          asm volatile("prefetch.global.L1 [%0];\n" ::"l"(scale + static_cast<size_t>(base + sk0) * kSB));
+        });
+      }
+    }
+  }
+
+  // The item's weight and scale rows for the CTA's slice from row n0 of expert `expert` (a valid
+  // id): the lane's first weight bytes and its rows' bounds or offsets, and their scale-grid rows.
+  static __device__ __forceinline__ void setup_rows(const DecodeLaunch& D, Item& it_, int expert, int64_t n0,
+                                                    int warp, int lane) {
+    const GemmLaunch& L = D.g;
+    const WeightView& w = L.p.w;
+    it_.expert = expert;
+    const int wn = warp & (D.wn - 1);
+    // The CTA's rows from blockIdx.x * x_rows; warps from up_warp on skip up_skip rows (the gated
+    // halves pairing: gate rows i, then up rows I + i; otherwise x_rows = bn and no warp skips).
+    int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
+    if constexpr (kGatedEpilogue)
+      n_lane = static_cast<int64_t>(blockIdx.x) * D.x_rows + wn * kRowsPerWarp + (lane >> 2) +
+               (wn >= D.up_warp ? D.up_skip : 0);
+    const int64_t n_first = kRowOffsets ? min(n_lane, static_cast<int64_t>(D.N) - 1) : n_lane;
+    it_.wlane = static_cast<const uint8_t*>(w.data) +
+                (static_cast<int64_t>(expert) * D.N + n_first) * D.w_row_bytes + (lane & 3) * 16;
+    it_.stride8 = static_cast<int64_t>(8) * D.w_row_bytes;
+    it_.row_ok = 0u;
+#pragma unroll
+    for (int i = 0; i < kNT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n_lane + i * 16 + 8 * h;
+        const bool ok = n < D.N;
+        if constexpr (kRowOffsets)  // < 24 rows apart; the host keeps 24 rows below 2^31 bytes
+          it_.roff[i * 2 + h] = static_cast<uint32_t>((min(n, static_cast<int64_t>(D.N) - 1) - n_first) * D.w_row_bytes);
+        else
+          it_.row_ok |= ok ? 1u << (i * 2 + h) : 0u;
+        it_.srow[i][h] = 0u;
+        if constexpr (WT != WeightType::kFloat) {
+          if (ok)
+            it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(static_cast<uint32_t>(n))) *
+                             L.scale_cols;
+        }
+      }
   }
 
   // Whole mode: the item's activation rows over all chunk columns of K, copied once by the CTA
@@ -921,9 +986,11 @@ struct Kern {
   // ------------------------------------------------------------------------------------------
   // kWhole (kPrePermute variants only, chosen by the caller): the item runs in whole mode with
   // pre-permuted activations; otherwise whole mode is decided here, with the activations as copied.
+  // weights_issued: issue_first_weights copied the first stages' weights.
   template <int TOKT, bool kWhole>
   static __device__ void run(const DecodeLaunch& D, const Item& item, int64_t n0, uint8_t* smem,
-                             const int32_t* s_arow, const int32_t* s_crow, const int64_t* s_abyte) {
+                             const int32_t* s_arow, const int32_t* s_crow, const int64_t* s_abyte,
+                             bool weights_issued) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wn = warp & (D.wn - 1), wk = warp >> (__ffs(D.wn) - 1);  // wn: a power of two
     const int g = lane >> 2, t = lane & 3;
@@ -948,7 +1015,7 @@ struct Kern {
     const int arb = whole ? D.whole_row_bytes : D.act_row_bytes;
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-      if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid, whole);
+      if (st < D.iters) issue(D, item, st, smem, s_abyte, wk, warp, lane, tid, whole, !weights_issued);
       if (st == 0 && whole && !kFusedQ) copy_whole_activations(D, item.nvalid, smem, s_abyte, tid);
       cp_async_commit();
     }
@@ -1232,21 +1299,36 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * D.bn;
   const GemmLaunch& L = D.g;
-  begin_dependent_grid();  // launch_variant launches it dependent on the kernel before it
+  // launch_variant launches it dependent on the kernel before it. Where only `a` waits on that
+  // kernel (GemmLaunch::inputs_ready_but_a), the first item's routing and first weights go out
+  // before the wait, overlapping that kernel's tail.
+  const bool wait_late = L.inputs_ready_but_a;
+  if (!wait_late) begin_dependent_grid();
 
   for (int item = blockIdx.y; item < D.items; item += gridDim.y) {
     int64_t zlo = 0, zhi = 0;
+    typename K_::Item it_;
+    bool early = false;  // the first stages' weights are in flight (issue_first_weights)
     if (L.mode == RowMode::kIndexed) {
+      // The used-block count, the block's expert and (warp 0) its ids are independent loads, in
+      // bounds for every item (items = len(block_expert_ids), sorted_ids = block_m per block):
+      // issued together, and the first stages' weights go out before the ids are placed.
       int64_t used = *L.ntpp;
+      const int expert = L.block_expert_ids[item];
+      int64_t id = -1;
+      if (warp == 0 && lane < L.block_m) id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
       used = used < 0 ? 0 : (used > L.padded_rows ? L.padded_rows : used);
       if (static_cast<int64_t>(item) * L.block_m >= used) break;  // blocks are used in order
+      const bool eok = expert >= 0 && expert < L.E;  // never address weights with an invalid id
+      // The raw and packed variants (the float32-scale and 8-bit-code ones would spill more).
+      if (K_::kEarlyWeights && eok) {
+        K_::setup_rows(D, it_, expert, n0, warp, lane);
+        K_::issue_first_weights(D, it_, smem, warp, lane);
+        early = true;
+      }
       if (warp == 0) {
-        const int expert = L.block_expert_ids[item];
-        const bool eok = expert >= 0 && expert < L.E;  // never address weights with an invalid id
         bool valid = false;
-        int64_t id = -1;
         if (eok && lane < L.block_m) {
-          id = L.sorted_ids[static_cast<int64_t>(item) * L.block_m + lane];
           // ids below c_rows < 2^31 (host-checked) divide in 32 bits
           valid = id >= 0 && id < L.c_rows && D.div_gather.div(static_cast<uint32_t>(id)) < L.a_rows;
         }
@@ -1344,6 +1426,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         }
       }
     }
+    if (wait_late) begin_dependent_grid();  // before any read of a (at once after the first item)
     __syncthreads();
     const int expert = s_info[0], nvalid = s_info[1];
     if (L.mode != RowMode::kIndexed) {
@@ -1354,47 +1437,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
     if (expert >= 0 && nvalid > 0) {
       if (tid < nvalid) s_abyte[tid] = static_cast<int64_t>(s_arow[tid]) * D.K * K_::kAsz;
       __syncthreads();
-      typename K_::Item it_;
-      it_.expert = expert;
+      if (!early) K_::setup_rows(D, it_, expert, n0, warp, lane);
       it_.nvalid = nvalid;
-      const WeightView& w = L.p.w;
-      const int wn = warp & (D.wn - 1);
-      // The CTA's rows from blockIdx.x * x_rows; warps from up_warp on skip up_skip rows (the gated
-      // halves pairing: gate rows i, then up rows I + i; otherwise x_rows = bn and no warp skips).
-      int64_t n_lane = n0 + wn * kRowsPerWarp + (lane >> 2);
-      if constexpr (K_::kGatedEpilogue)
-        n_lane = static_cast<int64_t>(blockIdx.x) * D.x_rows + wn * kRowsPerWarp + (lane >> 2) +
-                 (wn >= D.up_warp ? D.up_skip : 0);
-      const int64_t n_first = K_::kRowOffsets ? min(n_lane, static_cast<int64_t>(D.N) - 1) : n_lane;
-      it_.wlane = static_cast<const uint8_t*>(w.data) +
-                  (static_cast<int64_t>(expert) * D.N + n_first) * D.w_row_bytes + (lane & 3) * 16;
-      it_.stride8 = static_cast<int64_t>(8) * D.w_row_bytes;
-      it_.row_ok = 0u;
-#pragma unroll
-      for (int i = 0; i < kNT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t n = n_lane + i * 16 + 8 * h;
-          const bool ok = n < D.N;
-          if constexpr (K_::kRowOffsets)  // < 24 rows apart; the host keeps 24 rows below 2^31 bytes
-            it_.roff[i * 2 + h] =
-                static_cast<uint32_t>((min(n, static_cast<int64_t>(D.N) - 1) - n_first) * D.w_row_bytes);
-          else
-            it_.row_ok |= ok ? 1u << (i * 2 + h) : 0u;
-          it_.srow[i][h] = 0u;
-          if constexpr (WT != WeightType::kFloat) {
-            if (ok)
-              it_.srow[i][h] = (static_cast<uint32_t>(expert) * L.scale_rows + D.div_gn.div(static_cast<uint32_t>(n))) *
-                               L.scale_cols;
-          }
-        }
       // Token columns in tiles of 8: 1, 2 or (32-row items only) 4 of them.
       auto run_tiles = [&](auto tokt) {
         constexpr int T = decltype(tokt)::value;
         if (K_::kPrePermute && D.pre_permute && nvalid <= D.whole_rows)
-          K_::template run<T, true>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+          K_::template run<T, true>(D, it_, n0, smem, s_arow, s_crow, s_abyte, early);
         else
-          K_::template run<T, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte);
+          K_::template run<T, false>(D, it_, n0, smem, s_arow, s_crow, s_abyte, early);
       };
       if (nvalid <= 8)
         run_tiles(std::integral_constant<int, 1>{});
@@ -1402,6 +1453,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const __grid_consta
         run_tiles(std::integral_constant<int, 2>{});
       else if constexpr (K_::kWideItems)
         run_tiles(std::integral_constant<int, 4>{});
+    } else if (early) {  // no valid rows after all: the early copies land before the ring is reused
+      cp_async_commit();
+      cp_async_wait<0>();
     }
     zero_rows<kThreads>(D, zlo, zhi, n0, threadIdx.x);
     __syncthreads();  // shared memory is reused by the next item

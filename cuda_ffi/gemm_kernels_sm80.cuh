@@ -54,6 +54,11 @@ struct GemmLaunch {
   // The weight scale grid in 32-bit terms (divisions by group sizes are the costly part of an
   // index); the host checks that every index fits.
   uint32_t group_n, group_k, scale_rows, scale_cols, a_group_k, a_scale_cols;
+  // Set by a call that launches this GEMM right after a kernel of its own (experts_indexed's
+  // GEMM2): everything before that kernel on the stream has completed, so the routing and the
+  // weights are final and only `a` waits on it. The decode kernel then reads the routing and
+  // issues its first weights before its grid-dependency wait (dependent_launch.cuh).
+  bool inputs_ready_but_a;
 };
 
 // ---------------------------------------------------------------------------------------------

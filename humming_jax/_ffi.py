@@ -27,6 +27,7 @@ CALLS = (
     "gemm_indexed",
     "gemm_indexed_quant",
     "gemm_indexed_gated",
+    "experts_indexed",
     "gemm_grouped",
     "gemm_grouped_gated",
     "gemm_grouped_gather",

@@ -250,6 +250,16 @@ def fused_activation() -> int:
     return int(v)
 
 
+def fused_experts() -> bool:
+    """Whether the indexed class runs its two GEMMs in one call (``experts_indexed``) where GEMM1
+    writes the activated rows (16-bit activations, a gated activation, ``fused_activation() >= 1``)
+    rather than as ``gemm_indexed_gated`` then ``gemm_indexed``. Read at trace time from
+    ``HUMMING_JAX_FUSED_EXPERTS`` (``0``: the two calls, for A/B timing); the values are the same
+    either way. A CUDA library named by ``$HUMMING_JAX_CUDA_LIB`` that predates the call keeps the
+    two calls."""
+    return os.environ.get("HUMMING_JAX_FUSED_EXPERTS", "1") != "0" and _ffi.call_available("experts_indexed")
+
+
 class IndexedExperts(_StandardExperts):
     """Standard format, indexed: GEMM1 gathers token rows through expert-sorted ids."""
 
@@ -273,6 +283,12 @@ class IndexedExperts(_StandardExperts):
             return d, routing.src_rows
         if quant is None and get_activation(activation, limit)[0].gated and fused_activation() >= 1:
             # GEMM1 writes the activated rows (its epilogue pairs gate and up).
+            if fused_experts():
+                d = gemm_ops.experts_indexed(
+                    x, weights.w13, weights.b13, weights.w2, weights.b2, routing, gather_div=k,
+                    activation=activation, limit=limit, **common
+                )
+                return d, routing.src_rows
             a2 = gemm_ops.gemm_indexed_gated(
                 x, None, weights.w13, weights.b13, routing, gather_div=k, activation=activation, limit=limit, **common
             )

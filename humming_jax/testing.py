@@ -260,3 +260,35 @@ def gated_forms(
         return dict(fused=fused, two=two, src=jnp.where(jnp.arange(m * k) < off[-1], 0, -1), offsets=off)
 
     return fn, (x, ids, w, bias)
+
+
+def experts_indexed_forms(
+    rng: np.random.Generator,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    dtype: Any,
+    ids: jax.Array,
+    activation: str,
+    limit: float | None = None,
+) -> tuple[Callable[..., dict], tuple]:
+    """The indexed class's two GEMMs both ways on random token rows: ``experts_indexed`` (one call)
+    and ``gemm_indexed_gated`` then ``gemm_indexed``. Returns (fn, operands); fn(x, ids, w13, b13,
+    w2, b2) gives a dict for assert_fused_equals_two: fused, two, src (the routing's source rows)."""
+    e = w13.num_experts
+    m, k = ids.shape
+    x = _token_rows(rng, m, w13.k, 1.0, dtype)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, w13, b13, w2, b2):
+        r = routing_ops.routing_indexed(ids, None, e, bm)
+        common = dict(rows=m * k, block_m=bm, out_dtype=dtype)
+        fused = gemm_ops.experts_indexed(x, w13, b13, w2, b2, r, gather_div=k, activation=activation, limit=limit,
+                                         **common)
+        y = gemm_ops.gemm_indexed_gated(x, None, w13, b13, r, gather_div=k, activation=activation, limit=limit,
+                                        **common)
+        two = gemm_ops.gemm_indexed(y, None, w2, b2, r, gather_div=1, **common)
+        return dict(fused=fused, two=two, src=r.src_rows)
+
+    return fn, (x, ids, w13, b13, w2, b2)

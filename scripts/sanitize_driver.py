@@ -39,6 +39,7 @@ from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
 from humming_jax.testing import (  # noqa: E402
     gemm_forms,
+    experts_indexed_forms,
     gated_forms,
     indexed_quant_forms,
     random_packed_weight,
@@ -267,6 +268,23 @@ def main() -> None:
         ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
         ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
         fn, operands = gated_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
+        run(fn, *operands)
+
+    # The two GEMMs in one call (experts_indexed): GEMM2's decode kernel reads the routing and
+    # issues its first weights before it waits for GEMM1's rows.
+    for scheme, (m, topk, e, h, i), act in itertools.product(("w4a16-int4-g128", "w4a16-mxfp4", "bf16"),
+                                                           ((1, 8, 16, 256, 264), (16, 4, 8, 256, 128)),
+                                                           ("silu", "swigluoai")):
+        dtype = SCHEMES[scheme].default_dtype
+        q = SCHEMES[scheme].quantize
+        i = i if scheme == "bf16" else 128 * (i // 128)
+        w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32) / 16, dtype)
+        w2 = q(rng.standard_normal((e, h, i)).astype(np.float32) / 16, dtype)
+        b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32))
+        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
+        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        fn, operands = experts_indexed_forms(rng, w13, b13, w2, None, dtype, ids, act,
+                                             7.0 if act == "swigluoai" else None)
         run(fn, *operands)
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on

@@ -27,6 +27,7 @@ from humming_jax.ops import routing as routing_ops
 from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
 from humming_jax.testing import (
+    experts_indexed_forms,
     gated_forms,
     gemm_forms,
     grouped_gated_both,
@@ -1399,6 +1400,37 @@ def test_decode_gated_epilogue_matches_two_calls_and_cpu(rng, monkeypatch, schem
     assert gated.count == expect, f"{what}: {gated.count} gated launches"
 
 
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0)])
+@pytest.mark.parametrize("pdl", [None, "0"])
+@pytest.mark.parametrize("m,k,e,h,i", [(1, 8, 128, 512, 256), (16, 4, 8, 256, 384), (5, 2, 6, 1024, 128)])
+def test_decode_experts_indexed_matches_two_calls_and_cpu(rng, monkeypatch, scheme, activation, limit, pdl, m, k, e,
+                                                          h, i):
+    """experts_indexed on the GPU: both GEMMs on the decode kernel (GEMM1 writing the activated
+    pairs, GEMM2 launched dependent on it and reading the routing and its first weights before
+    its wait), with the bits of gemm_indexed_gated then gemm_indexed in calls of their own, with
+    dependent launches on (HUMMING_JAX_PDL unset) and off, and close to the CPU's values."""
+    if pdl is None:
+        monkeypatch.delenv("HUMMING_JAX_PDL", raising=False)
+    else:
+        monkeypatch.setenv("HUMMING_JAX_PDL", pdl)
+    dtype = SCHEMES[scheme].default_dtype
+    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
+    w2 = _decode_weights(rng, scheme, dtype, e, h, i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1)
+    ids, _ = _decode_routing(rng, m, k, e)
+    ids = jnp.where(ids >= e, -1, ids)
+    fn, ops = experts_indexed_forms(rng, w13, b13, w2, b2, dtype, ids, activation, limit)
+    what = f"{scheme} {activation} pdl={pdl} M={m} E={e} H={h} I={i}"
+    with _LaunchCount(_DECODE_GATED_LAUNCHES) as gated, _LaunchCount(_DECODE_LAUNCHES) as launches:
+        got = _run_on(GPU, fn, ops)
+    _check_fused_forms(got, fn, ops, dtype, what, exact=True)
+    assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
+    assert gated.count == 2, f"{what}: {gated.count} gated launches (GEMM1 of each form)"
+
+
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
     """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
     return random_packed_weight(rng, wtype, e, n, kdim, group_k, scale_dtype=scale_dtype, fp8_std=2.0, **kw)
@@ -1621,6 +1653,39 @@ def test_decode_layers_in_a_chain_give_the_same_bits_with_dependent_launches(rng
         want = moe_reference(x, layer.w13, layer.w2, tw, ids, input_quant=InputQuant(*quant) if quant else None)
         err = relative_error(got[None][s], want)
         assert err <= tol, f"{scheme} step {s}: relative error {err:.2e} > {tol:.1e}"
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4"])
+def test_decode_used_blocks_without_valid_ids_leave_the_others_exact(rng, scheme):
+    """A caller's own indexed layout (routing never makes one) with used blocks whose expert is
+    valid but whose ids are all padding: the decode kernel has already issued such a block's first
+    weight copies when it finds no rows (decode_kernel's early copies), takes none, and every row
+    of the other blocks agrees with the CPU."""
+    e, n, kdim, m, k = 8, 200, 512, 12, 2
+    dtype = SCHEMES[scheme].default_dtype
+    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
+    ids = jnp.asarray(np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int32))
+    bm = 16
+    r = jax.device_get(jax.jit(lambda i: routing_ops.routing_indexed(i, None, e, bm))(jax.device_put(ids, CPU)))
+    sorted_ids, blocks = np.array(r.sorted_ids), np.array(r.block_expert_ids)
+    used = int(np.array(r.num_tokens_post_padded)[0]) // bm
+    emptied = rng.choice(used, size=max(1, used // 3), replace=False)
+    for b in emptied:
+        assert 0 <= blocks[b] < e
+        sorted_ids[b * bm:(b + 1) * bm] = m * k  # padding
+    routing = routing_ops.IndexedRouting(jnp.asarray(sorted_ids), jnp.asarray(blocks), r.num_tokens_post_padded,
+                                         r.src_rows)
+    x = jnp.asarray(rng.standard_normal((m, kdim)), dtype)
+    fn = jax.jit(lambda x, w, r: gemm_ops.gemm_indexed(x, None, w, None, r, rows=m * k, gather_div=k, block_m=bm,
+                                                      out_dtype=dtype))
+    with _LaunchCount(_DECODE_LAUNCHES) as launched:
+        got = _to_np(jax.block_until_ready(fn(*jax.device_put((x, w, routing), GPU))))
+    assert launched.count == 1, "the call should take the decode kernel"
+    want = _to_np(fn(*jax.device_put((x, w, routing), CPU)))
+    kept = sorted_ids[sorted_ids < m * k]
+    assert kept.size > 0
+    _assert_close(got[kept], want[kept], dtype, f"{scheme}: rows of the blocks with ids")
 
 
 @requires_decode

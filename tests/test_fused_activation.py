@@ -56,8 +56,10 @@ def _layer_calls(layer, activation: str, cls: type = IndexedExperts) -> set[str]
 
 
 def test_indexed_layer_calls_the_gated_gemm(rng, monkeypatch):
-    """The layer's graph: GEMM1 takes a gated activation (no activation call) unless switched off;
-    an activation that is not gated keeps its own call."""
+    """The layer's graph with its GEMMs as two calls (HUMMING_JAX_FUSED_EXPERTS=0; by default they
+    are one, test_experts_indexed.py): GEMM1 takes a gated activation (no activation call) unless
+    switched off; an activation that is not gated keeps its own call."""
+    monkeypatch.setenv("HUMMING_JAX_FUSED_EXPERTS", "0")
     layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w4a16-int4-g128")
     calls = _layer_calls(layer, "silu")
     assert {"humming_jax.gemm_indexed_gated", "humming_jax.gemm_indexed"} <= calls
@@ -146,6 +148,7 @@ def test_grouped_layer_calls_the_gated_gemm_when_asked(rng, monkeypatch):
     calls = _layer_calls(layer, "silu", GroupedExperts)
     assert {"humming_jax.gemm_grouped_gated", "humming_jax.gemm_grouped"} <= calls
     assert "humming_jax.activation" not in calls
+    monkeypatch.setenv("HUMMING_JAX_FUSED_EXPERTS", "0")  # the indexed class's two calls (else experts_indexed)
     assert "humming_jax.gemm_indexed_gated" in _layer_calls(layer, "silu")  # the indexed class's too
     plain = random_layer(rng, m=5, e=4, h=128, i=128, k=2, activation="gelu_no_mul")
     calls = _layer_calls(plain, "gelu_no_mul", GroupedExperts)

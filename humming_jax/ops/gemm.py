@@ -200,6 +200,57 @@ def gemm_indexed_gated(
     return y
 
 
+def experts_indexed(
+    x: jax.Array,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    routing: IndexedRouting,
+    *,
+    rows: int,
+    gather_div: int,
+    block_m: int,
+    out_dtype: Any,
+    activation: str,
+    limit: float | None = None,
+) -> jax.Array:
+    """The indexed layer's two GEMMs in one call, for 16-bit activations and a gated activation:
+    ``gemm_indexed(gemm_indexed_gated(x, w13, ...), w2, gather_div=1)``, [rows, w2.n], the same
+    values as those two calls bit for bit. On the GPU GEMM2's kernel is launched dependent on
+    GEMM1's inside the call, so that under CUDA graphs (where each custom call is a graph of its
+    own) it starts on GEMM1's tail: it reads the routing and issues its first weights before it
+    waits for GEMM1's rows."""
+    code, lim = _gated_activation("experts_indexed", w13, activation, limit)
+    if w2.k != w13.n // 2:
+        raise ValueError(f"w2 must have K = {w13.n // 2} (half of w13's rows), got {w2.k}")
+    up, up_attrs = _operands(x, None, w13, b13, 0)
+    down, down_attrs = _operands(x, None, w2, b2, 0)
+    up_attrs.pop("act_group_k")
+    down_attrs.pop("act_group_k")
+    d, _, _ = _ffi.call(
+        "experts_indexed",
+        (
+            jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
+            jax.ShapeDtypeStruct((rows, w13.n // 2), out_dtype),
+            jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
+        ),
+        x,
+        *up[2:],
+        *down[2:],
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **up_attrs,
+        **{"down_" + k: v for k, v in down_attrs.items()},
+        gather_div=gather_div,
+        block_m=block_m,
+        activation=code,
+        limit=lim,
+    )
+    return d
+
+
 # The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at
 # most 256 SMs, then per-expert shapes, pointers and strides) is bounded by
 #     GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * E   bytes,

@@ -1,0 +1,114 @@
+"""experts_indexed: the indexed class's two GEMMs (16-bit activations, a gated activation) in one
+call give the bits of gemm_indexed_gated then gemm_indexed, on whichever backend runs the tests;
+the layer takes it by default and agrees with the float64 oracle through it. (Its GPU launch
+order, GEMM2 dependent on GEMM1 inside the call, has its own tests in test_cuda_fast_paths.py.)"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import layer_tolerance, random_layer, reference, run_standard
+
+from humming_jax import testing
+from humming_jax.experts import IndexedExperts
+from humming_jax.ops import gemm as gemm_ops
+from humming_jax.ops import routing as routing_ops
+from humming_jax.quantize import SCHEMES
+from humming_jax.reference import relative_error
+
+
+def _pair_forms(rng, scheme, dtype, m, k, e, h, i, activation, limit, pad=0.2, bias=True):
+    """Random weights (w13 [e, 2i, h], w2 [e, h, i]) and ids: testing.experts_indexed_forms."""
+    w13 = SCHEMES[scheme].quantize((rng.standard_normal((e, 2 * i, h)) / np.sqrt(h)).astype(np.float32), dtype)
+    w2 = SCHEMES[scheme].quantize((rng.standard_normal((e, h, i)) / np.sqrt(i)).astype(np.float32), dtype)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1) if bias else None
+    b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1) if bias else None
+    ids = testing.distinct_topk_ids(rng, m, k, e, pad=pad)
+    return testing.experts_indexed_forms(rng, w13, b13, w2, b2, dtype, ids, activation, limit)
+
+
+@pytest.mark.parametrize("scheme,dtype", [("bf16", jnp.bfloat16), ("fp16", jnp.float16),
+                                          ("w4a16-int4-g128", jnp.bfloat16), ("w4a16-mxfp4", jnp.bfloat16),
+                                          ("w8a16-fp8-block128", jnp.float16)])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0)])
+def test_experts_indexed_equals_the_two_calls(rng, scheme, dtype, activation, limit):
+    """The rows the routing fills: finite, not all zero, the two calls' bits."""
+    fn, ops = _pair_forms(rng, scheme, dtype, m=9, k=3, e=6, h=256, i=128, activation=activation, limit=limit)
+    testing.assert_fused_equals_two(jax.jit(fn)(*ops), exact=True)
+
+
+def test_experts_indexed_without_biases_and_with_every_id_valid(rng):
+    fn, ops = _pair_forms(rng, "w4a16-int4-g128", jnp.bfloat16, m=5, k=2, e=4, h=128, i=256, activation="silu",
+                          limit=None, pad=0.0, bias=False)
+    testing.assert_fused_equals_two(jax.jit(fn)(*ops), exact=True)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "bf16", "w4a16-mxfp4"])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+def test_indexed_layer_through_experts_indexed_matches_the_two_calls_and_the_oracle(rng, monkeypatch, scheme,
+                                                                                   activation):
+    """The layer with the one call (the default) and with the two (HUMMING_JAX_FUSED_EXPERTS=0):
+    the same bits, each within the layer tolerance of the float64 oracle."""
+    layer = random_layer(rng, m=11, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, pad_frac=0.2)
+    kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
+    monkeypatch.delenv("HUMMING_JAX_FUSED_EXPERTS", raising=False)
+    pair = np.asarray(run_standard(IndexedExperts, layer, **kw).astype(jnp.float32))
+    monkeypatch.setenv("HUMMING_JAX_FUSED_EXPERTS", "0")
+    two = np.asarray(run_standard(IndexedExperts, layer, **kw).astype(jnp.float32))
+    assert np.all(np.isfinite(pair)) and np.any(pair != 0.0)
+    np.testing.assert_array_equal(pair, two)
+    want = reference(layer, **kw)
+    tol = layer_tolerance(layer.x.dtype, None)
+    assert relative_error(pair, want) <= tol
+
+
+def _layer_calls(layer) -> set[str]:
+    def f(out, x, w, tw, ids):
+        return IndexedExperts().apply(out, x, w, tw, ids, activation="silu")
+
+    args = (layer.x, layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
+    return set(re.findall(r"humming_jax\.\w+", jax.jit(f).lower(*args).as_text()))
+
+
+def test_indexed_layer_graph_has_the_one_call_unless_switched_off(rng, monkeypatch):
+    """16-bit activations with a gated activation: experts_indexed by default, the two GEMM calls
+    with HUMMING_JAX_FUSED_EXPERTS=0 or without the fused activation; 8-bit activations keep
+    their own calls."""
+    layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w4a16-int4-g128")
+    monkeypatch.delenv("HUMMING_JAX_FUSED_EXPERTS", raising=False)
+    calls = _layer_calls(layer)
+    assert "humming_jax.experts_indexed" in calls
+    assert not {"humming_jax.gemm_indexed", "humming_jax.gemm_indexed_gated", "humming_jax.activation"} & calls
+    monkeypatch.setenv("HUMMING_JAX_FUSED_EXPERTS", "0")
+    calls = _layer_calls(layer)
+    assert "humming_jax.experts_indexed" not in calls
+    assert {"humming_jax.gemm_indexed_gated", "humming_jax.gemm_indexed"} <= calls
+    monkeypatch.delenv("HUMMING_JAX_FUSED_EXPERTS")
+    monkeypatch.setenv("HUMMING_JAX_FUSED_ACTIVATION", "0")
+    assert "humming_jax.experts_indexed" not in _layer_calls(layer)
+    monkeypatch.delenv("HUMMING_JAX_FUSED_ACTIVATION")
+    quant = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w8a8-fp8-block128")
+    assert "humming_jax.experts_indexed" not in _layer_calls(quant)
+
+
+def test_experts_indexed_rejects_bad_input(rng):
+    e, h, i, m, k = 4, 256, 128, 3, 2
+    q = SCHEMES["w4a16-int4-g128"].quantize
+    w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32), jnp.bfloat16)
+    w2 = q(rng.standard_normal((e, h, i)).astype(np.float32), jnp.bfloat16)
+    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, m, k, e, pad=0.0), None, e, 4)
+    common = dict(rows=m * k, gather_div=k, block_m=4, out_dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="needs a gated activation"):
+        gemm_ops.experts_indexed(x, w13, None, w2, None, r, activation="gelu_no_mul", **common)
+    w2_wide = q(rng.standard_normal((e, h, 2 * i)).astype(np.float32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="w2 must have K"):
+        gemm_ops.experts_indexed(x, w13, None, w2_wide, None, r, activation="silu", **common)
+    # Caught by the handler's own checks (one parse for both backends): w2's rows must be x's columns.
+    w2_short = q(rng.standard_normal((e, h // 2, i)).astype(np.float32), jnp.bfloat16)
+    with pytest.raises(Exception, match="w2 must have H"):
+        jax.block_until_ready(gemm_ops.experts_indexed(x, w13, None, w2_short, None, r, activation="silu", **common))

@@ -103,7 +103,9 @@ def main() -> None:
             for name, path in libs.items():
                 runs[name].append(run_one(path, rest, Path(tmp) / f"{name}{r}.json"))
                 print(f"round {r + 1}: {name} done", flush=True)
-            # Each whole round is reported and written, so a run cut short keeps the rounds it finished.
+                # Written after every build's run, so that a run cut short keeps what it measured.
+                write(libs, runs, r, rest, args.out)
+            # Each whole round is reported.
             report(libs, runs, r + 1, rest, args.out)
 
 
@@ -118,10 +120,17 @@ def report(libs: dict[str, str], runs: dict[str, list[dict]], rounds: int, sweep
         print(f"{pt['shape']:16s} {pt['format']:18s} {pt['M']:5d} " + " ".join(f"{pt['ms'][n]:10.4f}" for n in names)
               + " " + " ".join(f"{pt['vs_first'][n]:12.3f}" for n in names[1:])
               + f"  {max(pt['spread'].values()):.1%}", flush=True)
+    write(libs, runs, rounds, sweep_args, out, points)
+    print(f"wrote {out}", flush=True)
+
+
+def write(libs: dict[str, str], runs: dict[str, list[dict]], rounds: int, sweep_args: list[str], out: str,
+          points: list[dict] | None = None) -> None:
+    """The JSON of ``rounds`` whole rounds and every run so far (a later round's builds may have
+    more runs than ``rounds``)."""
     with open(out, "w") as fh:
         json.dump({"libs": libs, "rounds": rounds, "sweep_args": sweep_args, "order": "builds in turn per round",
-                   "points": points, "runs": runs}, fh, indent=1)
-    print(f"wrote {out}", flush=True)
+                   "points": summarize(libs, runs) if points is None else points, "runs": runs}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,13 @@ void gemm_indexed_runs(const GemmProblem& p, const IndexedLayout& l) {
   gemm_runs(p, runs);
 }
 
+// gemm_indexed_gated's work: the indexed GEMM into c, then y = the gated activation of c's rows.
+void gemm_indexed_gated_runs(const GemmProblem& p, const IndexedLayout& l, const AnyBuffer& c, void* y,
+                             int64_t activation, float limit) {
+  gemm_indexed_runs(p, l);
+  activate_rows_cpu(p.c_type, c.untyped_data(), dim(c, 0), p.N, p.N / 2, static_cast<int>(activation), limit, y);
+}
+
 Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                      AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
                      AnyBuffer ntpp, Result<AnyBuffer> c, int64_t weight_type, int64_t group_n,
@@ -109,9 +116,7 @@ Error GemmIndexedGatedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, Any
       "gemm_indexed_gated", a, a_scale, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
       gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
       block_m, *y, *c, &p, &l));
-  gemm_indexed_runs(p, l);
-  activate_rows_cpu(p.c_type, c->untyped_data(), dim(*c, 0), p.N, p.N / 2, static_cast<int>(activation), limit,
-                    y->untyped_data());
+  gemm_indexed_gated_runs(p, l, *c, y->untyped_data(), activation, limit);
   return Error::Success();
 }
 
@@ -131,9 +136,7 @@ Error ExpertsIndexedCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer
       WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
       WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
       activation, gather_div, block_m, *d, *y, *c, &g));
-  gemm_indexed_runs(g.up, g.up_l);
-  activate_rows_cpu(g.up.c_type, c->untyped_data(), dim(*c, 0), g.up.N, g.up.N / 2, static_cast<int>(activation),
-                    limit, y->untyped_data());
+  gemm_indexed_gated_runs(g.up, g.up_l, *c, y->untyped_data(), activation, limit);
   gemm_indexed_runs(g.down, g.down_l);
   return Error::Success();
 }

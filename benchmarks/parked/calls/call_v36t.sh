@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # v36 one call (experts-pair-quant's library): the fp8 one-call sweep, the L2-prefetch sweep at the
 # M = 16 gap's shapes, the new code's GPU tests, memcheck with the prefetch and the grid cap on.
+#   BUDGET=<s> (default 500); L2_SHAPES / L2_FORMATS widen the L2 sweep (e.g. all three shapes and
+#   w4a16-mxfp4; TESTS=0 then leaves the tests and memcheck out, for a sweeps-only call).
 cd "$(dirname "$0")/.."
 T0=$(date +%s); BUDGET=${BUDGET:-500}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -9,8 +11,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noh
 python3 -c 'import humming_jax, sys; print(humming_jax._ffi.backend_report()); sys.exit(0 if humming_jax.cuda_available() else 1)' || exit 2
 timeout 85 python3 benchmarks/sweep_env.py --var HUMMING_JAX_FUSED_EXPERTS --values 0,1 --shapes qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b --formats w8a8-fp8-block128 --tokens 1,16 --part gemms --timer device --repeats 5 --out $OUT/sweep-fused-experts-fp8.json > $OUT/sweep-fused-experts-fp8.txt 2>&1
 echo "fp8 pair sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "SM clock" $OUT/sweep-fused-experts-fp8.txt | tail -8
-LT=$(( $(left) - 30 )); LT=$(( LT > 110 ? 110 : LT )); timeout $LT python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_L2_AHEAD --values 0,2,4,8 --shapes deepseek-v3-ep8,mixtral-8x7b --formats w4a16-int4-g128 --tokens 16,1 --part gemms --timer device --repeats 3 --out $OUT/sweep-l2-ahead.json > $OUT/sweep-l2-ahead.txt 2>&1
+LT=$(( $(left) - 30 )); [ "${TESTS:-1}" = 0 ] || LT=$(( LT > 110 ? 110 : LT )); timeout $LT python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_L2_AHEAD --values 0,2,4,8 --shapes ${L2_SHAPES:-deepseek-v3-ep8,mixtral-8x7b} --formats ${L2_FORMATS:-w4a16-int4-g128} --tokens 16,1 --part gemms --timer device --repeats 3 --out $OUT/sweep-l2-ahead.json > $OUT/sweep-l2-ahead.txt 2>&1
 echo "l2 sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "SM clock" $OUT/sweep-l2-ahead.txt | tail -6
+[ "${TESTS:-1}" = 0 ] && exit 0
 TL=$(( $(left) - 8 )); TL=$(( TL > 170 ? 170 : TL )); [ $TL -lt 20 ] && exit 0
 t() { local name=$1; shift; ( XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $TL python3 -m pytest -q -p no:cacheprovider -rf "$@" > $OUT/tests-$name.txt 2>&1; echo "rc=$?" >> $OUT/tests-$name.txt ) & }
 t pq tests/test_cuda_fast_paths.py -k experts_indexed_quant

@@ -291,6 +291,12 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
   // in the 4-bit packed variants (A/B timing).
   D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
 
+  // HUMMING_JAX_DECODE_L2_AHEAD=A (0-16, default 0): the raw and packed variants prefetch each
+  // weight row's 256-byte segments into L2 A segments ahead of their copies (Kern::prefetch_ahead).
+  D.l2_ahead = 0;
+  if (const char* v = std::getenv("HUMMING_JAX_DECODE_L2_AHEAD"); v && *v)
+    D.l2_ahead = std::min(16, std::max(0, std::atoi(v)));
+
   D.x_rows = D.bn;  // the CTA's rows (gemm_indexed_gated's halves pairing sets them again)
   D.up_warp = D.wn;
   D.up_skip = 0;
@@ -301,7 +307,14 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
   out->f32_scales = (dq == Deq::kF32 || dq == Deq::kCodes) && w.scale_type == ElemType::kF32;
   out->smem = decode_smem_bytes(D);
   if (out->smem > static_cast<size_t>(kMaxDynamicSmem)) return decline(L, "shared memory");
-  out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(std::min<int64_t>(grid_items, 65535)));
+  // HUMMING_JAX_DECODE_GRID_ITEMS=n (n >= 1; for A/B timing): at most n item rows in the grid, each
+  // CTA running items y, y + n, ... in turn (fewer waves and CTA launches, a longer stream per CTA).
+  int64_t grid_rows = std::min<int64_t>(grid_items, 65535);
+  if (const char* v = std::getenv("HUMMING_JAX_DECODE_GRID_ITEMS"); v && *v) {
+    const int cap = std::atoi(v);
+    if (cap >= 1) grid_rows = std::min<int64_t>(grid_rows, cap);
+  }
+  out->grid = dim3(static_cast<unsigned>(n_slices), static_cast<unsigned>(grid_rows));
   return true;
 }
 

@@ -527,46 +527,70 @@ auto bind_gemm_indexed_gated() {
       .template Attr<float>("limit");
 }
 
+// The operands of the experts_* calls: x, then w13's and w2's qweight, scale, zero, scale2 and
+// bias, then the routing's sorted_ids, block_expert_ids and num_tokens_post_padded.
+#define HJ_EXPERTS_OPERANDS                                                                      \
+  .template Arg<AnyBuffer>()                      /* x [M, H] */                                 \
+      .template Arg<AnyBuffer>()                  /* w13: qweight */                             \
+      .template Arg<AnyBuffer>()                  /*      scale */                               \
+      .template Arg<AnyBuffer>()                  /*      zero */                                \
+      .template Arg<AnyBuffer>()                  /*      scale2 */                              \
+      .template Arg<AnyBuffer>()                  /*      bias */                                \
+      .template Arg<AnyBuffer>()                  /* w2: qweight */                              \
+      .template Arg<AnyBuffer>()                  /*     scale */                                \
+      .template Arg<AnyBuffer>()                  /*     zero */                                 \
+      .template Arg<AnyBuffer>()                  /*     scale2 */                               \
+      .template Arg<AnyBuffer>()                  /*     bias */                                 \
+      .template Arg<AnyBuffer>()                  /* sorted_ids */                               \
+      .template Arg<AnyBuffer>()                  /* block_expert_ids */                         \
+      .template Arg<AnyBuffer>()                  /* num_tokens_post_padded */
+
+// GEMM1's weight attributes under gemm_indexed's names, GEMM2's with the prefix down_.
+#define HJ_EXPERTS_WEIGHT_ATTRS                                                                  \
+  .template Attr<int64_t>("weight_type").template Attr<int64_t>("group_n")                       \
+      .template Attr<int64_t>("group_k").template Attr<int64_t>("has_zero")                      \
+      .template Attr<int64_t>("has_scale2").template Attr<int64_t>("has_bias")                   \
+      .template Attr<int64_t>("down_weight_type").template Attr<int64_t>("down_group_n")         \
+      .template Attr<int64_t>("down_group_k").template Attr<int64_t>("down_has_zero")            \
+      .template Attr<int64_t>("down_has_scale2").template Attr<int64_t>("down_has_bias")
+
 // experts_indexed(x, w13..., w2..., sorted_ids, block_expert_ids, num_tokens_post_padded)
 //   -> d, y, c: the indexed layer's two GEMMs with a gated activation between them in one call,
 //   y = gemm_indexed_gated(x, w13) [M * top_k, I] and d = gemm_indexed(y, w2) [M * top_k, H]
-//   (c as in gemm_indexed_gated); 16-bit activations. GEMM1's attributes have gemm_indexed's
-//   names, GEMM2's the prefix down_.
+//   (c as in gemm_indexed_gated); 16-bit activations.
 template <typename PlatformCtx>
 auto bind_experts_indexed() {
-  return bind_base<PlatformCtx>()
-      .template Arg<AnyBuffer>()  // x [M, H]
-      .template Arg<AnyBuffer>()  // w13: qweight
-      .template Arg<AnyBuffer>()  //      scale
-      .template Arg<AnyBuffer>()  //      zero
-      .template Arg<AnyBuffer>()  //      scale2
-      .template Arg<AnyBuffer>()  //      bias
-      .template Arg<AnyBuffer>()  // w2: qweight
-      .template Arg<AnyBuffer>()  //     scale
-      .template Arg<AnyBuffer>()  //     zero
-      .template Arg<AnyBuffer>()  //     scale2
-      .template Arg<AnyBuffer>()  //     bias
-      .template Arg<AnyBuffer>()  // sorted_ids
-      .template Arg<AnyBuffer>()  // block_expert_ids
-      .template Arg<AnyBuffer>()  // num_tokens_post_padded
+  return bind_base<PlatformCtx>() HJ_EXPERTS_OPERANDS
       .template Ret<AnyBuffer>()  // d [M * top_k, H]
       .template Ret<AnyBuffer>()  // y [M * top_k, I]
       .template Ret<AnyBuffer>()  // c [M * top_k, 2 I]
-      .template Attr<int64_t>("weight_type")
-      .template Attr<int64_t>("group_n")
-      .template Attr<int64_t>("group_k")
-      .template Attr<int64_t>("has_zero")
-      .template Attr<int64_t>("has_scale2")
-      .template Attr<int64_t>("has_bias")
-      .template Attr<int64_t>("down_weight_type")
-      .template Attr<int64_t>("down_group_n")
-      .template Attr<int64_t>("down_group_k")
-      .template Attr<int64_t>("down_has_zero")
-      .template Attr<int64_t>("down_has_scale2")
-      .template Attr<int64_t>("down_has_bias")
+      HJ_EXPERTS_WEIGHT_ATTRS
       .template Attr<int64_t>("gather_div")
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("activation")
+      .template Attr<float>("limit");
+}
+
+// experts_indexed_quant(x, w13..., w2..., sorted_ids, block_expert_ids, num_tokens_post_padded)
+//   -> d, c, q1, q1_scale, q2, q2_scale: the indexed layer's two GEMMs with 8-bit activations in
+//   one call, c = gemm_indexed_quant(x, w13) [M * top_k, N1] and d = gemm_indexed_quant(c, w2,
+//   activation) [M * top_k, H]; q1 / q1_scale [M, H] and q2 / q2_scale [M * top_k, I] as those
+//   calls' q / q_scale (unspecified where a kernel quantizes as it loads). Both quantize with
+//   act_group_k (0: per row); activation is any (-1: none, then N1 = I).
+template <typename PlatformCtx>
+auto bind_experts_indexed_quant() {
+  return bind_base<PlatformCtx>() HJ_EXPERTS_OPERANDS
+      .template Ret<AnyBuffer>()  // d [M * top_k, H]
+      .template Ret<AnyBuffer>()  // c [M * top_k, N1]
+      .template Ret<AnyBuffer>()  // q1 [M, H]
+      .template Ret<AnyBuffer>()  // q1_scale [M, groups] f32
+      .template Ret<AnyBuffer>()  // q2 [M * top_k, I]
+      .template Ret<AnyBuffer>()  // q2_scale [M * top_k, groups] f32
+      HJ_EXPERTS_WEIGHT_ATTRS
+      .template Attr<int64_t>("act_group_k")
+      .template Attr<int64_t>("gather_div")
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("activation")  // -1: none
       .template Attr<float>("limit");
 }
 
@@ -1039,6 +1063,39 @@ inline Error parse_gemm_indexed_quant(const std::string& call, const AnyBuffer& 
   HJ_RETURN_IF_ERROR(parse_gemm_indexed(call, q, q_scale, qweight, scale, zero, scale2, bias, sorted_ids,
                                         block_expert_ids, ntpp, at, gather_div, block_m, c, &out->p, &out->l));
   return check_no_overlap(call, {span_of("c", c)}, {span_of("x", x)});
+}
+
+// experts_indexed_quant: GEMM1 (gemm_indexed_quant of x over gather_div, no activation) into c,
+// then GEMM2 (gemm_indexed_quant of activation(c), one row per id) into d, over the same routing.
+// Every result is apart from every operand.
+struct ExpertsIndexedQuantCall {
+  IndexedQuantCall up, down;
+};
+inline Error parse_experts_indexed_quant(const std::string& call, const AnyBuffer& x, const AnyBuffer* w13,
+                                         const AnyBuffer* w2, const AnyBuffer& sorted_ids,
+                                         const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp,
+                                         const WeightAttrs& up, const WeightAttrs& down, int64_t act_group_k,
+                                         int64_t activation, int64_t gather_div, int64_t block_m,
+                                         const AnyBuffer& d, const AnyBuffer& c, const AnyBuffer& q1,
+                                         const AnyBuffer& q1_scale, const AnyBuffer& q2, const AnyBuffer& q2_scale,
+                                         ExpertsIndexedQuantCall* out) {
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(call, x, w13[0], w13[1], w13[2], w13[3], w13[4], sorted_ids,
+                                              block_expert_ids, ntpp, GemmAttrs{up, act_group_k}, -1, gather_div,
+                                              block_m, c, q1, q1_scale, &out->up));
+  HJ_RETURN_IF_ERROR(parse_gemm_indexed_quant(call, c, w2[0], w2[1], w2[2], w2[3], w2[4], sorted_ids,
+                                              block_expert_ids, ntpp, GemmAttrs{down, act_group_k}, activation, 1,
+                                              block_m, d, q2, q2_scale, &out->down));
+  if (out->down.p.N != dim(x, 1))
+    return invalid(call, "w2 must have H = " + std::to_string(dim(x, 1)) + " rows (x's columns), got " +
+                             std::to_string(out->down.p.N));
+  return check_no_overlap(call,
+                          {span_of("d", d), span_of("c", c), span_of("q1", q1), span_of("q1_scale", q1_scale),
+                           span_of("q2", q2), span_of("q2_scale", q2_scale)},
+                          {span_of("w13", w13[0]), span_of("w13 scale", w13[1]), span_of("w13 zero", w13[2]),
+                           span_of("w13 scale2", w13[3]), span_of("w13 bias", w13[4]), span_of("w2", w2[0]),
+                           span_of("w2 scale", w2[1]), span_of("w2 zero", w2[2]), span_of("w2 scale2", w2[3]),
+                           span_of("w2 bias", w2[4]), span_of("x", x), span_of("sorted_ids", sorted_ids),
+                           span_of("block_expert_ids", block_expert_ids), span_of("num_tokens_post_padded", ntpp)});
 }
 
 // finalize: the result has out's shape and is apart from d, topk_weights and src_rows (it may

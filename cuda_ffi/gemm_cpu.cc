@@ -141,6 +141,35 @@ Error ExpertsIndexedCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer
   return Error::Success();
 }
 
+// experts_indexed_quant: the two gemm_indexed_quant calls' steps in their order.
+Error ExpertsIndexedQuantCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w1_zero, AnyBuffer w1_scale2,
+                             AnyBuffer w1_bias, AnyBuffer w2, AnyBuffer w2_scale, AnyBuffer w2_zero,
+                             AnyBuffer w2_scale2, AnyBuffer w2_bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
+                             AnyBuffer ntpp, Result<AnyBuffer> d, Result<AnyBuffer> c, Result<AnyBuffer> q1,
+                             Result<AnyBuffer> q1_scale, Result<AnyBuffer> q2, Result<AnyBuffer> q2_scale,
+                             int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                             int64_t has_scale2, int64_t has_bias, int64_t down_weight_type, int64_t down_group_n,
+                             int64_t down_group_k, int64_t down_has_zero, int64_t down_has_scale2,
+                             int64_t down_has_bias, int64_t act_group_k, int64_t gather_div, int64_t block_m,
+                             int64_t activation, float limit) {
+  const AnyBuffer up_w[5] = {w1, w1_scale, w1_zero, w1_scale2, w1_bias};
+  const AnyBuffer down_w[5] = {w2, w2_scale, w2_zero, w2_scale2, w2_bias};
+  ExpertsIndexedQuantCall g;
+  HJ_RETURN_IF_ERROR(parse_experts_indexed_quant(
+      "experts_indexed_quant", x, up_w, down_w, sorted_ids, block_expert_ids, ntpp,
+      WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
+      WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
+      act_group_k, activation, gather_div, block_m, *d, *c, *q1, *q1_scale, *q2, *q2_scale, &g));
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), g.up.s.R, g.up.s.N1, g.up.s.I, -1, 0.0f,
+                    act_group_k, g.up.kind, q1->untyped_data(), static_cast<float*>(q1_scale->untyped_data()));
+  gemm_indexed_runs(g.up.p, g.up.l);
+  quantize_rows_cpu(elem_type_of(c->element_type()), c->untyped_data(), g.down.s.R, g.down.s.N1, g.down.s.I,
+                    static_cast<int>(activation), limit, act_group_k, g.down.kind, q2->untyped_data(),
+                    static_cast<float*>(q2_scale->untyped_data()));
+  gemm_indexed_runs(g.down.p, g.down.l);
+  return Error::Success();
+}
+
 // The grouped GEMM of R rows of p.a: rows [off[e], off[e+1]) (clamped monotone into [0, R]) use
 // expert e, rows past the last offset become zeros.
 void grouped_rows_cpu(const GemmProblem& p, const int32_t* off, int64_t R) {
@@ -281,6 +310,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCpu, hj::GemmIndexedGatedCpu,
                               hj::bind_gemm_indexed_gated<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCpu, hj::GemmGroupedCpu, hj::bind_gemm_grouped<void>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjExpertsIndexedCpu, hj::ExpertsIndexedCpu, hj::bind_experts_indexed<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjExpertsIndexedQuantCpu, hj::ExpertsIndexedQuantCpu,
+                              hj::bind_experts_indexed_quant<void>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatedCpu, hj::GemmGroupedGatedCpu,
                               hj::bind_gemm_grouped_gated<void>());

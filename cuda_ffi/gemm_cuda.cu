@@ -133,6 +133,14 @@ Error GemmIndexedCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, AnyBu
   return launch_indexed(call, p, l, gather_div, block_m, stream);
 }
 
+// What gemm_indexed_quant's kernels need to quantize (after activation >= 0) the parsed x into q.
+InputQuant input_quant(const AnyBuffer& x, const IndexedQuantCall& g, int64_t act_group_k, AnyBuffer& q,
+                       AnyBuffer& q_scale, int64_t activation, float limit) {
+  return InputQuant{x.untyped_data(), elem_type_of(x.element_type()), g.kind, g.s.R, g.s.N1, g.s.I, act_group_k,
+                    q.untyped_data(), static_cast<float*>(q_scale.untyped_data()), static_cast<int>(activation),
+                    limit};
+}
+
 Error GemmIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight,
                            AnyBuffer scale, AnyBuffer zero, AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids,
                            AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> c, Result<AnyBuffer> q,
@@ -145,9 +153,7 @@ Error GemmIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer /*unused*
       call, x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
       gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
       block_m, *c, *q, *q_scale, &g));
-  const InputQuant qin{x.untyped_data(), elem_type_of(x.element_type()), g.kind, g.s.R, g.s.N1, g.s.I,
-                       act_group_k, q->untyped_data(), static_cast<float*>(q_scale->untyped_data()),
-                       static_cast<int>(activation), limit};
+  const InputQuant qin = input_quant(x, g, act_group_k, *q, *q_scale, activation, limit);
   return launch_indexed(call, g.p, g.l, gather_div, block_m, stream, &qin);
 }
 
@@ -204,6 +210,38 @@ Error ExpertsIndexedCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuff
   // GEMM2 could be the routing's own, whose results are not final while it runs.
   const bool up_launched = g.up_l.num_blocks > 0 && g.up.N > 0;
   return launch_indexed(call, g.down, g.down_l, 1, block_m, stream, nullptr, nullptr, nullptr, up_launched);
+}
+
+// The same for 8-bit activations: GEMM1 quantizes x, GEMM2 activates and quantizes GEMM1's rows.
+// GEMM2's kernel is launched dependent on the kernel before it in this call (GEMM1's, or the
+// quantization kernel that runs plainly after it), so its decode kernel reads the routing on that
+// kernel's tail; its rows, or its own quantization of GEMM1's rows, wait for it.
+Error ExpertsIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w1_zero,
+                              AnyBuffer w1_scale2, AnyBuffer w1_bias, AnyBuffer w2, AnyBuffer w2_scale,
+                              AnyBuffer w2_zero, AnyBuffer w2_scale2, AnyBuffer w2_bias, AnyBuffer sorted_ids,
+                              AnyBuffer block_expert_ids, AnyBuffer ntpp, Result<AnyBuffer> d, Result<AnyBuffer> c,
+                              Result<AnyBuffer> q1, Result<AnyBuffer> q1_scale, Result<AnyBuffer> q2,
+                              Result<AnyBuffer> q2_scale, int64_t weight_type, int64_t group_n, int64_t group_k,
+                              int64_t has_zero, int64_t has_scale2, int64_t has_bias, int64_t down_weight_type,
+                              int64_t down_group_n, int64_t down_group_k, int64_t down_has_zero,
+                              int64_t down_has_scale2, int64_t down_has_bias, int64_t act_group_k, int64_t gather_div,
+                              int64_t block_m, int64_t activation, float limit) {
+  const std::string call = "experts_indexed_quant";
+  const AnyBuffer up_w[5] = {w1, w1_scale, w1_zero, w1_scale2, w1_bias};
+  const AnyBuffer down_w[5] = {w2, w2_scale, w2_zero, w2_scale2, w2_bias};
+  ExpertsIndexedQuantCall g;
+  HJ_RETURN_IF_ERROR(parse_experts_indexed_quant(
+      call, x, up_w, down_w, sorted_ids, block_expert_ids, ntpp,
+      WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
+      WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
+      act_group_k, activation, gather_div, block_m, *d, *c, *q1, *q1_scale, *q2, *q2_scale, &g));
+  const InputQuant up_q = input_quant(x, g.up, act_group_k, *q1, *q1_scale, -1, 0.0f);
+  HJ_RETURN_IF_ERROR(launch_indexed(call, g.up.p, g.up.l, gather_div, block_m, stream, &up_q));
+  // As in experts_indexed: without a kernel of GEMM1 (and then none of its quantization either),
+  // the kernel before GEMM2's could be the routing's own.
+  const bool up_launched = g.up.l.num_blocks > 0 && g.up.p.N > 0;
+  const InputQuant down_q = input_quant(*c, g.down, act_group_k, *q2, *q2_scale, activation, limit);
+  return launch_indexed(call, g.down.p, g.down.l, 1, block_m, stream, &down_q, nullptr, nullptr, up_launched);
 }
 
 // Rows of K 16-bit values in the 4-bit mainloop's k order (rs4_k_order.h) back in their natural
@@ -401,6 +439,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedGatedCuda, hj::GemmIndexedGatedCuda,
                               hj::bind_gemm_indexed_gated<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjExpertsIndexedCuda, hj::ExpertsIndexedCuda,
                               hj::bind_experts_indexed<hj::CudaStream>(), {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjExpertsIndexedQuantCuda, hj::ExpertsIndexedQuantCuda,
+                              hj::bind_experts_indexed_quant<hj::CudaStream>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedCuda, hj::GemmGroupedCuda, hj::bind_gemm_grouped<hj::CudaStream>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmGroupedGatedCuda, hj::GemmGroupedGatedCuda,

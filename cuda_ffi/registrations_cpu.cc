@@ -14,6 +14,7 @@ XLA_FFI_Error* HjGemmIndexedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedQuantCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmIndexedGatedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjExpertsIndexedCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* HjExpertsIndexedQuantCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedGatedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjGemmGroupedGatherCpu(XLA_FFI_CallFrame*);
@@ -43,6 +44,7 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["gemm_indexed_quant"] = encapsulate(HjGemmIndexedQuantCpu);
     d["gemm_indexed_gated"] = encapsulate(HjGemmIndexedGatedCpu);
     d["experts_indexed"] = encapsulate(HjExpertsIndexedCpu);
+    d["experts_indexed_quant"] = encapsulate(HjExpertsIndexedQuantCpu);
     d["gemm_grouped"] = encapsulate(HjGemmGroupedCpu);
     d["gemm_grouped_gated"] = encapsulate(HjGemmGroupedGatedCpu);
     d["gemm_grouped_gather"] = encapsulate(HjGemmGroupedGatherCpu);

@@ -28,6 +28,7 @@ CALLS = (
     "gemm_indexed_quant",
     "gemm_indexed_gated",
     "experts_indexed",
+    "experts_indexed_quant",
     "gemm_grouped",
     "gemm_grouped_gated",
     "gemm_grouped_gather",

@@ -250,14 +250,15 @@ def fused_activation() -> int:
     return int(v)
 
 
-def fused_experts() -> bool:
-    """Whether the indexed class runs its two GEMMs in one call (``experts_indexed``) where GEMM1
+def fused_experts(call: str = "experts_indexed") -> bool:
+    """Whether the indexed class runs its two GEMMs in one call: ``experts_indexed`` where GEMM1
     writes the activated rows (16-bit activations, a gated activation, ``fused_activation() >= 1``)
-    rather than as ``gemm_indexed_gated`` then ``gemm_indexed``. Read at trace time from
-    ``HUMMING_JAX_FUSED_EXPERTS`` (``0``: the two calls, for A/B timing); the values are the same
-    either way. A CUDA library named by ``$HUMMING_JAX_CUDA_LIB`` that predates the call keeps the
-    two calls."""
-    return os.environ.get("HUMMING_JAX_FUSED_EXPERTS", "1") != "0" and _ffi.call_available("experts_indexed")
+    rather than ``gemm_indexed_gated`` then ``gemm_indexed``; ``experts_indexed_quant`` where each
+    GEMM quantizes its own input (8-bit activations, ``fused_input_quant()``) rather than two
+    ``gemm_indexed_quant`` calls. Read at trace time from ``HUMMING_JAX_FUSED_EXPERTS`` (``0``: the
+    two calls, for A/B timing); the values are the same either way. A CUDA library named by
+    ``$HUMMING_JAX_CUDA_LIB`` that predates ``call`` keeps the two calls."""
+    return os.environ.get("HUMMING_JAX_FUSED_EXPERTS", "1") != "0" and _ffi.call_available(call)
 
 
 class IndexedExperts(_StandardExperts):
@@ -276,6 +277,12 @@ class IndexedExperts(_StandardExperts):
         if quant is not None and fused_input_quant():
             # Each GEMM quantizes its own input (GEMM2 after the activation) in its call.
             fq = dict(quant=quant[0], act_group_k=quant[1], **common)
+            if fused_experts("experts_indexed_quant"):
+                d = gemm_ops.experts_indexed_quant(
+                    x, weights.w13, weights.b13, weights.w2, weights.b2, routing, gather_div=k,
+                    activation=activation, limit=limit, **fq
+                )
+                return d, routing.src_rows
             gu = gemm_ops.gemm_indexed_quant(x, weights.w13, weights.b13, routing, gather_div=k, **fq)
             d = gemm_ops.gemm_indexed_quant(
                 gu, weights.w2, weights.b2, routing, gather_div=1, activation=activation, limit=limit, **fq

@@ -292,3 +292,36 @@ def experts_indexed_forms(
         return dict(fused=fused, two=two, src=r.src_rows)
 
     return fn, (x, ids, w13, b13, w2, b2)
+
+
+def experts_indexed_quant_forms(
+    rng: np.random.Generator,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    dtype: Any,
+    quant: tuple[str, int],
+    ids: jax.Array,
+    activation: str,
+    limit: float | None = None,
+) -> tuple[Callable[..., dict], tuple]:
+    """The indexed class's two GEMMs with 8-bit activations both ways on random token rows:
+    ``experts_indexed_quant`` (one call) and two ``gemm_indexed_quant`` calls. Rows span 1.5
+    decades of magnitude either way (GEMM1's products stay inside float16's range), so the per-group scales differ row to row. Returns (fn, operands);
+    fn(x, ids, w13, b13, w2, b2) gives a dict for assert_fused_equals_two: fused, two, src."""
+    e = w13.num_experts
+    m, k = ids.shape
+    x = _token_rows(rng, m, w13.k, 1.5, dtype, tiny=0.02)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, w13, b13, w2, b2):
+        r = routing_ops.routing_indexed(ids, None, e, bm)
+        common = dict(rows=m * k, block_m=bm, out_dtype=dtype, quant=quant[0], act_group_k=quant[1])
+        fused = gemm_ops.experts_indexed_quant(x, w13, b13, w2, b2, r, gather_div=k, activation=activation,
+                                               limit=limit, **common)
+        c = gemm_ops.gemm_indexed_quant(x, w13, b13, r, gather_div=k, **common)
+        two = gemm_ops.gemm_indexed_quant(c, w2, b2, r, gather_div=1, activation=activation, limit=limit, **common)
+        return dict(fused=fused, two=two, src=r.src_rows)
+
+    return fn, (x, ids, w13, b13, w2, b2)

@@ -40,6 +40,7 @@ from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
 from humming_jax.testing import (  # noqa: E402
     gemm_forms,
     experts_indexed_forms,
+    experts_indexed_quant_forms,
     gated_forms,
     indexed_quant_forms,
     random_packed_weight,
@@ -286,6 +287,21 @@ def main() -> None:
         fn, operands = experts_indexed_forms(rng, w13, b13, w2, None, dtype, ids, act,
                                              7.0 if act == "swigluoai" else None)
         run(fn, *operands)
+
+    # The same with 8-bit activations (experts_indexed_quant): GEMM2 after GEMM1's kernel or the
+    # quantization kernel, on the decode kernel (quantizing its rows itself or not) and the ring.
+    for (m, topk, e, h, i), act, ring in itertools.product(((1, 8, 16, 256, 256), (16, 4, 8, 512, 128)),
+                                                          ("silu", "gelu_no_mul"), ("0", "1")):
+        q = SCHEMES["w8a8-fp8-block128"].quantize
+        i2 = i if act == "silu" else 2 * i
+        w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32) / 16, jnp.bfloat16)
+        w2 = q(rng.standard_normal((e, h, i2)).astype(np.float32) / 16, jnp.bfloat16)
+        b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32))
+        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
+        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        with env_set("HUMMING_JAX_DECODE_RING", ring):
+            fn, operands = experts_indexed_quant_forms(rng, w13, b13, w2, None, jnp.bfloat16, ("fp8", 128), ids, act)
+            run(fn, *operands)
 
     # Prefill-sized grouped GEMMs (>= 32 rows per expert: the sm_90a wgmma kernel where built, on
     # 128-row tiles for m = 1200 and 300 and 64-row tiles for m = 60; int4 through the mixed-input

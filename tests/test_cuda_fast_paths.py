@@ -20,6 +20,7 @@ from graph_replay import replay_both_ways
 import humming_jax as hj
 from humming_jax import _ffi
 from humming_jax._abi import WeightType
+from humming_jax.activations import get_activation
 from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts
 from humming_jax.ops import activation as act_ops
 from humming_jax.ops import gemm as gemm_ops
@@ -28,6 +29,7 @@ from humming_jax.quantize import SCHEMES, act_quant_params
 from humming_jax.reference import InputQuant, batched_reference, moe_reference, relative_error
 from humming_jax.testing import (
     experts_indexed_forms,
+    experts_indexed_quant_forms,
     gated_forms,
     gemm_forms,
     grouped_gated_both,
@@ -1468,6 +1470,38 @@ def test_decode_experts_indexed_matches_two_calls_and_cpu(rng, monkeypatch, sche
     _check_fused_forms(got, fn, ops, dtype, what, exact=True)
     assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
     assert gated.count == 2, f"{what}: {gated.count} gated launches (GEMM1 of each form)"
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["w8a8-fp8-block128", "w8a8-int8-channel"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu_no_mul", None)])
+@pytest.mark.parametrize("variant", ["default", "decode", "decode-unfused", "ring"])
+@pytest.mark.parametrize("m,k,e,h,i", [(1, 8, 128, 512, 256), (16, 4, 8, 256, 384), (5, 2, 6, 1024, 128)])
+def test_decode_experts_indexed_quant_matches_two_calls_and_cpu(rng, monkeypatch, scheme, activation, limit, variant,
+                                                                m, k, e, h, i):
+    """experts_indexed_quant on the GPU: both GEMMs on the decode kernel (quantizing their rows
+    themselves, or after the quantization kernel: "decode-unfused") or the fp8 ring kernel (fp8 per
+    128 only), GEMM2 launched dependent on the kernel before it, with the bits of two
+    gemm_indexed_quant calls and close to the CPU's values."""
+    if variant == "ring" and scheme != "w8a8-fp8-block128":
+        pytest.skip("the ring kernel runs fp8 weights and activations")
+    for name, value in _FUSED_QUANT_ENV[variant].items():
+        monkeypatch.setenv(name, value)
+    dtype = SCHEMES[scheme].default_dtype
+    gated = get_activation(activation, limit)[0].gated
+    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
+    w2 = _decode_weights(rng, scheme, dtype, e, h, i if gated else 2 * i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1)
+    ids, _ = _decode_routing(rng, m, k, e)
+    ids = jnp.where(ids >= e, -1, ids)
+    quant = act_quant_params(SCHEMES[scheme].act_key)
+    fn, ops = experts_indexed_quant_forms(rng, w13, b13, w2, b2, dtype, quant, ids, activation, limit)
+    what = f"{scheme} {activation} {variant} M={m} E={e} H={h} I={i}"
+    with _LaunchCount(_DECODE_LAUNCHES) as launches:
+        got = _run_on(GPU, fn, ops)
+    _check_fused_forms(got, fn, ops, dtype, what, exact=True)
+    assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
 
 
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):

@@ -251,6 +251,62 @@ def experts_indexed(
     return d
 
 
+def experts_indexed_quant(
+    x: jax.Array,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    routing: IndexedRouting,
+    *,
+    rows: int,
+    gather_div: int,
+    block_m: int,
+    out_dtype: Any,
+    quant: str,
+    act_group_k: int,
+    activation: str,
+    limit: float | None = None,
+) -> jax.Array:
+    """The indexed layer's two GEMMs in one call, for 8-bit activations:
+    ``gemm_indexed_quant(gemm_indexed_quant(x, w13, ...), w2, gather_div=1, activation=activation)``,
+    [rows, w2.n], the same values as those two calls bit for bit (any activation, gated or not).
+    On the GPU GEMM2's kernel is launched dependent on the kernel before it inside the call, so that
+    under CUDA graphs its decode kernel reads the routing on that kernel's tail."""
+    from .activation import _quant_shapes  # the quantize call's result shapes and checks
+
+    act_code, lim, cols = _activated_columns(jax.ShapeDtypeStruct((rows, w13.n), out_dtype), activation, limit)
+    if w2.k != cols:
+        raise ValueError(f"w2 must have K = {cols} (w13's rows after {activation!r}), got {w2.k}")
+    up, up_attrs = _operands(x, None, w13, b13, act_group_k)
+    down, down_attrs = _operands(x, None, w2, b2, act_group_k)
+    up_attrs.pop("act_group_k")
+    down_attrs.pop("act_group_k")
+    d, *_ = _ffi.call(
+        "experts_indexed_quant",
+        (
+            jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
+            jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
+            *_quant_shapes(x.shape[0], x.shape[1], quant, act_group_k),
+            *_quant_shapes(rows, cols, quant, act_group_k),
+        ),
+        x,
+        *up[2:],
+        *down[2:],
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **up_attrs,
+        **{"down_" + k: v for k, v in down_attrs.items()},
+        act_group_k=act_group_k,
+        gather_div=gather_div,
+        block_m=block_m,
+        activation=act_code,
+        limit=lim,
+    )
+    return d
+
+
 # The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at
 # most 256 SMs, then per-expert shapes, pointers and strides) is bounded by
 #     GROUPED_WORKSPACE_BASE + GROUPED_WORKSPACE_PER_EXPERT * E   bytes,

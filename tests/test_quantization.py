@@ -251,9 +251,10 @@ def test_workspace_rule_paths_run_clean(rng, path, cls):
     assert re.search(r"@humming_jax\.(finalize|gemm_batched_into)\(", aliased[0])
     assert aliased[0] is calls[-1]
     # The activation and quantization in one call: activation_quant, or (the indexed class) GEMM2's
-    # gemm_indexed_quant with an activation.
+    # gemm_indexed_quant, or the two GEMMs' experts_indexed_quant, with an activation.
     fused = any("@humming_jax.activation_quant(" in c or (
-        "@humming_jax.gemm_indexed_quant(" in c and re.search(r"activation = \d+ : i64", c)) for c in calls)
+        re.search(r"@humming_jax\.(gemm|experts)_indexed_quant\(", c) and re.search(r"activation = \d+ : i64", c))
+        for c in calls)
     assert fused == (path == "fused activation+quant")
     got = jitted(nan_out(x.shape, x.dtype), *args)
     want = np_batched(x, weights, args[2]) if cls is BatchedExperts else np_moe(x, weights, args[2], args[3])

@@ -1241,13 +1241,20 @@ def test_decode_more_items_than_resident_ctas_match_cpu(rng, monkeypatch, scheme
     at such shapes in test_decode_fp8_variants_match_cpu). At 16 rows per expert the 4-bit
     formats would take their prefill mainloop (from 16 rows), so its bound is held at 32 here."""
     monkeypatch.setenv("HUMMING_JAX_DECODE_PRE_PERMUTE", pre_permute)
+    _many_items_match_cpu(rng, monkeypatch, scheme, f"{scheme} many items")
+
+
+def _many_items_match_cpu(rng, monkeypatch, scheme, what):
+    """The decode forms of 16 slices of N = 4096 and 32 experts (~40 indexed blocks, 32 batched
+    items per slice) against the CPU, on the decode kernel (fp8 too), the 4-bit formats kept off
+    their prefill mainloop."""
     monkeypatch.setenv("HUMMING_JAX_DECODE_RING", "0")
     monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "32")
     dtype = SCHEMES[scheme].default_dtype
     e, n, kdim, m, k = 32, 4096, 256, 128, 4
     w = _decode_weights(rng, scheme, dtype, e, n, kdim)
     quant = act_quant_params(SCHEMES[scheme].act_key)
-    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} many items")
+    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, what)
 
 
 @requires_decode
@@ -1280,13 +1287,7 @@ def test_decode_capped_grid_matches_cpu(rng, monkeypatch, scheme, grid_items, ah
     the many-items problem of test_decode_more_items_than_resident_ctas_match_cpu against the CPU."""
     monkeypatch.setenv("HUMMING_JAX_DECODE_GRID_ITEMS", grid_items)
     monkeypatch.setenv("HUMMING_JAX_DECODE_L2_AHEAD", ahead)
-    monkeypatch.setenv("HUMMING_JAX_DECODE_RING", "0")
-    monkeypatch.setenv(gemm_ops.ENV_PREFILL_MIN_ROWS, "32")
-    dtype = SCHEMES[scheme].default_dtype
-    e, n, kdim, m, k = 32, 4096, 256, 128, 4
-    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
-    quant = act_quant_params(SCHEMES[scheme].act_key)
-    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 9, f"{scheme} grid items {grid_items} L2 {ahead}")
+    _many_items_match_cpu(rng, monkeypatch, scheme, f"{scheme} grid items {grid_items} L2 {ahead}")
 
 
 _DECODE_RING_LAUNCHES = _ffi.launch_counter("HjDecodeRingLaunches") if GPU is not None else None

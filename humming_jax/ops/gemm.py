@@ -200,6 +200,38 @@ def gemm_indexed_gated(
     return y
 
 
+def _call_experts(
+    name: str,
+    results: Any,
+    x: jax.Array,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    routing: IndexedRouting,
+    **attrs: Any,
+) -> Any:
+    """An experts_* call: x, both GEMMs' weight operands and the routing's three arrays, GEMM1's
+    weight attributes under gemm_indexed's names and GEMM2's with the prefix ``down_``."""
+    up, up_attrs = _operands(x, None, w13, b13, 0)
+    down, down_attrs = _operands(x, None, w2, b2, 0)
+    up_attrs.pop("act_group_k")
+    down_attrs.pop("act_group_k")
+    return _ffi.call(
+        name,
+        results,
+        x,
+        *up[2:],
+        *down[2:],
+        routing.sorted_ids,
+        routing.block_expert_ids,
+        routing.num_tokens_post_padded,
+        **up_attrs,
+        **{"down_" + k: v for k, v in down_attrs.items()},
+        **attrs,
+    )
+
+
 def experts_indexed(
     x: jax.Array,
     w13: PackedWeight,
@@ -224,25 +256,14 @@ def experts_indexed(
     code, lim = _gated_activation("experts_indexed", w13, activation, limit)
     if w2.k != w13.n // 2:
         raise ValueError(f"w2 must have K = {w13.n // 2} (half of w13's rows), got {w2.k}")
-    up, up_attrs = _operands(x, None, w13, b13, 0)
-    down, down_attrs = _operands(x, None, w2, b2, 0)
-    up_attrs.pop("act_group_k")
-    down_attrs.pop("act_group_k")
-    d, _, _ = _ffi.call(
+    d, *_ = _call_experts(
         "experts_indexed",
         (
             jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
             jax.ShapeDtypeStruct((rows, w13.n // 2), out_dtype),
             jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
         ),
-        x,
-        *up[2:],
-        *down[2:],
-        routing.sorted_ids,
-        routing.block_expert_ids,
-        routing.num_tokens_post_padded,
-        **up_attrs,
-        **{"down_" + k: v for k, v in down_attrs.items()},
+        x, w13, b13, w2, b2, routing,
         gather_div=gather_div,
         block_m=block_m,
         activation=code,
@@ -278,11 +299,7 @@ def experts_indexed_quant(
     act_code, lim, cols = _activated_columns(jax.ShapeDtypeStruct((rows, w13.n), out_dtype), activation, limit)
     if w2.k != cols:
         raise ValueError(f"w2 must have K = {cols} (w13's rows after {activation!r}), got {w2.k}")
-    up, up_attrs = _operands(x, None, w13, b13, act_group_k)
-    down, down_attrs = _operands(x, None, w2, b2, act_group_k)
-    up_attrs.pop("act_group_k")
-    down_attrs.pop("act_group_k")
-    d, *_ = _ffi.call(
+    d, *_ = _call_experts(
         "experts_indexed_quant",
         (
             jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
@@ -290,14 +307,7 @@ def experts_indexed_quant(
             *_quant_shapes(x.shape[0], x.shape[1], quant, act_group_k),
             *_quant_shapes(rows, cols, quant, act_group_k),
         ),
-        x,
-        *up[2:],
-        *down[2:],
-        routing.sorted_ids,
-        routing.block_expert_ids,
-        routing.num_tokens_post_padded,
-        **up_attrs,
-        **{"down_" + k: v for k, v in down_attrs.items()},
+        x, w13, b13, w2, b2, routing,
         act_group_k=act_group_k,
         gather_div=gather_div,
         block_m=block_m,

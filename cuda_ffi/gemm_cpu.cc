@@ -87,6 +87,16 @@ Error GemmIndexedCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyBuffe
   return Error::Success();
 }
 
+// gemm_indexed_quant's two steps over a parsed call: x (activated when activation >= 0) quantized
+// into q / q_scale, then the indexed GEMM of those codes.
+void gemm_indexed_quant_runs(const IndexedQuantCall& g, const AnyBuffer& x, int64_t activation, float limit,
+                             int64_t act_group_k, AnyBuffer& q, AnyBuffer& q_scale) {
+  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), g.s.R, g.s.N1, g.s.I,
+                    static_cast<int>(activation), limit, act_group_k, g.kind, q.untyped_data(),
+                    static_cast<float*>(q_scale.untyped_data()));
+  gemm_indexed_runs(g.p, g.l);
+}
+
 Error GemmIndexedQuantCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, AnyBuffer scale, AnyBuffer zero,
                           AnyBuffer scale2, AnyBuffer bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
                           AnyBuffer ntpp, Result<AnyBuffer> c, Result<AnyBuffer> q, Result<AnyBuffer> q_scale,
@@ -98,10 +108,7 @@ Error GemmIndexedQuantCpu(AnyBuffer x, AnyBuffer /*unused*/, AnyBuffer qweight, 
       "gemm_indexed_quant", x, qweight, scale, zero, scale2, bias, sorted_ids, block_expert_ids, ntpp,
       gemm_attrs(weight_type, group_n, group_k, has_zero, has_scale2, has_bias, act_group_k), activation, gather_div,
       block_m, *c, *q, *q_scale, &g));
-  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), g.s.R, g.s.N1, g.s.I,
-                    static_cast<int>(activation), limit, act_group_k, g.kind, q->untyped_data(),
-                    static_cast<float*>(q_scale->untyped_data()));
-  gemm_indexed_runs(g.p, g.l);
+  gemm_indexed_quant_runs(g, x, activation, limit, act_group_k, *q, *q_scale);
   return Error::Success();
 }
 
@@ -141,7 +148,8 @@ Error ExpertsIndexedCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer
   return Error::Success();
 }
 
-// experts_indexed_quant: the two gemm_indexed_quant calls' steps in their order.
+// experts_indexed_quant: the two gemm_indexed_quant calls' steps in their order, GEMM2's over
+// GEMM1's rows c.
 Error ExpertsIndexedQuantCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w1_zero, AnyBuffer w1_scale2,
                              AnyBuffer w1_bias, AnyBuffer w2, AnyBuffer w2_scale, AnyBuffer w2_zero,
                              AnyBuffer w2_scale2, AnyBuffer w2_bias, AnyBuffer sorted_ids, AnyBuffer block_expert_ids,
@@ -160,13 +168,8 @@ Error ExpertsIndexedQuantCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyB
       WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
       WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
       act_group_k, activation, gather_div, block_m, *d, *c, *q1, *q1_scale, *q2, *q2_scale, &g));
-  quantize_rows_cpu(elem_type_of(x.element_type()), x.untyped_data(), g.up.s.R, g.up.s.N1, g.up.s.I, -1, 0.0f,
-                    act_group_k, g.up.kind, q1->untyped_data(), static_cast<float*>(q1_scale->untyped_data()));
-  gemm_indexed_runs(g.up.p, g.up.l);
-  quantize_rows_cpu(elem_type_of(c->element_type()), c->untyped_data(), g.down.s.R, g.down.s.N1, g.down.s.I,
-                    static_cast<int>(activation), limit, act_group_k, g.down.kind, q2->untyped_data(),
-                    static_cast<float*>(q2_scale->untyped_data()));
-  gemm_indexed_runs(g.down.p, g.down.l);
+  gemm_indexed_quant_runs(g.up, x, -1, 0.0f, act_group_k, *q1, *q1_scale);
+  gemm_indexed_quant_runs(g.down, *c, activation, limit, act_group_k, *q2, *q2_scale);
   return Error::Success();
 }
 

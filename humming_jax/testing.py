@@ -308,8 +308,9 @@ def experts_indexed_quant_forms(
 ) -> tuple[Callable[..., dict], tuple]:
     """The indexed class's two GEMMs with 8-bit activations both ways on random token rows:
     ``experts_indexed_quant`` (one call) and two ``gemm_indexed_quant`` calls. Rows span 1.5
-    decades of magnitude either way (GEMM1's products stay inside float16's range), so the per-group scales differ row to row. Returns (fn, operands);
-    fn(x, ids, w13, b13, w2, b2) gives a dict for assert_fused_equals_two: fused, two, src."""
+    decades of magnitude either way (GEMM1's products stay inside float16's range), so the
+    per-group scales differ row to row. Returns (fn, operands); fn(x, ids, w13, b13, w2, b2) gives
+    a dict for assert_fused_equals_two: fused, two, src."""
     e = w13.num_experts
     m, k = ids.shape
     x = _token_rows(rng, m, w13.k, 1.5, dtype, tiny=0.02)

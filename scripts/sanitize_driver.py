@@ -38,6 +38,7 @@ from humming_jax.ops import gemm as gemm_ops  # noqa: E402
 from humming_jax.ops import routing as routing_ops  # noqa: E402
 from humming_jax.quantize import SCHEMES, act_quant_params  # noqa: E402
 from humming_jax.testing import (  # noqa: E402
+    distinct_topk_ids,
     gemm_forms,
     experts_indexed_forms,
     experts_indexed_quant_forms,
@@ -253,8 +254,7 @@ def main() -> None:
                                                           (None, "silu")):
         w = SCHEMES["w8a8-fp8-block128"].quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, dtype)
         bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
-        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
-        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        ids = distinct_topk_ids(rng, m, topk, e, pad=0.1)
         fn, operands = indexed_quant_forms(rng, w, bias, dtype, ("fp8", 128), ids, act)
         run(fn, *operands)
 
@@ -266,8 +266,7 @@ def main() -> None:
         dtype = SCHEMES[scheme].default_dtype
         w = SCHEMES[scheme].quantize(rng.standard_normal((e, n, k)).astype(np.float32) / 16, dtype)
         bias = jnp.asarray(rng.standard_normal((e, n)).astype(np.float32))
-        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
-        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        ids = distinct_topk_ids(rng, m, topk, e, pad=0.1)
         fn, operands = gated_forms(rng, w, bias, dtype, ids, act, 7.0 if act == "swigluoai" else None)
         run(fn, *operands)
 
@@ -282,8 +281,7 @@ def main() -> None:
         w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32) / 16, dtype)
         w2 = q(rng.standard_normal((e, h, i)).astype(np.float32) / 16, dtype)
         b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32))
-        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
-        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        ids = distinct_topk_ids(rng, m, topk, e, pad=0.1)
         fn, operands = experts_indexed_forms(rng, w13, b13, w2, None, dtype, ids, act,
                                              7.0 if act == "swigluoai" else None)
         run(fn, *operands)
@@ -297,8 +295,7 @@ def main() -> None:
         w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32) / 16, jnp.bfloat16)
         w2 = q(rng.standard_normal((e, h, i2)).astype(np.float32) / 16, jnp.bfloat16)
         b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32))
-        ids = np.argsort(rng.random((m, e)), axis=1)[:, :topk]
-        ids = jnp.asarray(np.where(rng.random((m, topk)) < 0.1, -1, ids).astype(np.int32))
+        ids = distinct_topk_ids(rng, m, topk, e, pad=0.1)
         with env_set("HUMMING_JAX_DECODE_RING", ring):
             fn, operands = experts_indexed_quant_forms(rng, w13, b13, w2, None, jnp.bfloat16, ("fp8", 128), ids, act)
             run(fn, *operands)

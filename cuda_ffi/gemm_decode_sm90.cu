@@ -291,12 +291,6 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
   // in the 4-bit packed variants (A/B timing).
   D.pre_permute = env_flag("HUMMING_JAX_DECODE_PRE_PERMUTE", true) ? 1 : 0;
 
-  // HUMMING_JAX_DECODE_L2_AHEAD=A (0-16, default 0): the raw and packed variants prefetch each
-  // weight row's 256-byte segments into L2 A segments ahead of their copies (Kern::prefetch_ahead).
-  D.l2_ahead = 0;
-  if (const char* v = std::getenv("HUMMING_JAX_DECODE_L2_AHEAD"); v && *v)
-    D.l2_ahead = std::min(16, std::max(0, std::atoi(v)));
-
   D.x_rows = D.bn;  // the CTA's rows (gemm_indexed_gated's halves pairing sets them again)
   D.up_warp = D.wn;
   D.up_skip = 0;

@@ -142,9 +142,6 @@ struct DecodeLaunch {
   // wn >= up_warp adding up_skip (x_rows = bn, up_warp = wn, up_skip = 0 unless gate_act pairs
   // halves: bn / 2, wn / 2, I - bn / 2).
   int x_rows, up_warp, up_skip;
-  // Raw and packed variants: 256-byte weight segments prefetched into L2 this many segments ahead
-  // of the copies (0: none; HUMMING_JAX_DECODE_L2_AHEAD, read by plan).
-  int l2_ahead;
 };
 
 // The quantized rows' scales in the activation region: [whole_rows][K / 128] float32 after the
@@ -193,11 +190,6 @@ __device__ __forceinline__ void cp_async_weights(uint32_t dst, const void* src, 
 // The same without the prefetch hint (activation rows).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
-// One 256-byte segment of global memory into L2, no data moved to the SM.
-__device__ __forceinline__ void prefetch_l2_256(const void* src) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], 256;\n" ::"l"(src) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -465,24 +457,6 @@ struct Kern {
     uint32_t srow[kNT][2];  // scale-grid index of each row's first column
   };
 
-  // D.l2_ahead > 0: at the first chunk column of each 256-byte segment of its rows, the column-0
-  // lane of each of the warp's rows pulls the row's segment l2_ahead segments further on into L2
-  // (whole segments inside the row only), so that the rows' DRAM reads run ahead of the ring
-  // continuously instead of in the copies' 256-byte bursts (benchmarks/NOTES.md, v33.2 / v36).
-  static __device__ __forceinline__ void prefetch_ahead(const DecodeLaunch& D, const Item& it_, int c, int lane) {
-    if (D.l2_ahead <= 0 || (lane & 3) != 0 || (c & 3) != 0) return;
-    const int64_t off = static_cast<int64_t>((c >> 2) + D.l2_ahead) * 256;
-    if (off + 256 > D.w_row_bytes) return;
-#pragma unroll
-    for (int q = 0; q < kNT * 2; ++q) {
-      if constexpr (kRowOffsets) {
-        prefetch_l2_256(it_.wlane + it_.roff[q] + off);
-      } else {
-        if ((it_.row_ok >> q) & 1u) prefetch_l2_256(it_.wlane + q * it_.stride8 + off);
-      }
-    }
-  }
-
   // Issues the cp.async copies of iteration `it` into ring slot it % kStages: the warp's weights
   // (unless `weights` is false: issue_first_weights copied them) and, staged, the activations.
   static __device__ __forceinline__ void issue(const DecodeLaunch& D, const Item& it_, int it, uint8_t* smem,
@@ -514,7 +488,6 @@ struct Kern {
           src += it_.stride8;
         }
       }
-      if constexpr (kEarlyWeights) prefetch_ahead(D, it_, c, lane);
     }
     // Activations of the item's rows for the stage's K range, shared by the CTA's warps. Row r's
     // bytes start at s_abyte[r] (set per item); 16-byte unit cu of the stage is k = k_first + cu * 16 / kAsz.

@@ -1258,36 +1258,14 @@ def _many_items_match_cpu(rng, monkeypatch, scheme, what):
 
 
 @requires_decode
-@pytest.mark.parametrize("wk", ["1", "8"])
-@pytest.mark.parametrize("ahead", ["1", "4"])
-@pytest.mark.parametrize("kdim", [2048, 2176])
-@pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4", "bf16"])
-def test_decode_l2_prefetch_matches_cpu(rng, monkeypatch, scheme, kdim, ahead, wk):
-    """HUMMING_JAX_DECODE_L2_AHEAD (the raw and packed variants' weight segments prefetched into L2
-    ahead of their copies) changes no value: the five decode forms against the CPU with weight rows
-    of whole 256-byte segments (K = 2048) and with a partial last one (K = 2176), the K split
-    forced to one and to eight warp groups (segments started by one warp group or by several).
-    Rows past N (N = 200) are skipped by the prefetch as by the copies."""
-    monkeypatch.setenv("HUMMING_JAX_DECODE_L2_AHEAD", ahead)
-    monkeypatch.setenv("HUMMING_JAX_DECODE_WK", wk)
-    dtype = SCHEMES[scheme].default_dtype
-    e, n, m, k = 8, 200, 6, 2
-    w = _decode_weights(rng, scheme, dtype, e, n, kdim)
-    quant = act_quant_params(SCHEMES[scheme].act_key)
-    _decode_forms_match_cpu(rng, w, None, dtype, quant, m, k, 5, f"{scheme} K={kdim} L2 ahead {ahead} wk {wk}")
-
-
-@requires_decode
-@pytest.mark.parametrize("ahead", ["0", "4"])
 @pytest.mark.parametrize("grid_items", ["1", "3"])
 @pytest.mark.parametrize("scheme", ["w4a16-int4-g128", "w4a16-mxfp4", "w8a8-fp8-block128", "bf16"])
-def test_decode_capped_grid_matches_cpu(rng, monkeypatch, scheme, grid_items, ahead):
+def test_decode_capped_grid_matches_cpu(rng, monkeypatch, scheme, grid_items):
     """HUMMING_JAX_DECODE_GRID_ITEMS caps the grid's item rows, so that each CTA runs many items in
-    turn (the loop that otherwise runs only past 65535 items), with and without the L2 prefetch:
-    the many-items problem of test_decode_more_items_than_resident_ctas_match_cpu against the CPU."""
+    turn (the loop that otherwise runs only past 65535 items): the many-items problem of
+    test_decode_more_items_than_resident_ctas_match_cpu against the CPU."""
     monkeypatch.setenv("HUMMING_JAX_DECODE_GRID_ITEMS", grid_items)
-    monkeypatch.setenv("HUMMING_JAX_DECODE_L2_AHEAD", ahead)
-    _many_items_match_cpu(rng, monkeypatch, scheme, f"{scheme} grid items {grid_items} L2 {ahead}")
+    _many_items_match_cpu(rng, monkeypatch, scheme, f"{scheme} grid items {grid_items}")
 
 
 _DECODE_RING_LAUNCHES = _ffi.launch_counter("HjDecodeRingLaunches") if GPU is not None else None

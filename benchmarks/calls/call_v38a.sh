@@ -11,5 +11,5 @@ HJ_PACK=1 timeout ${GC:-420} scripts/gpu_check.sh > $OUT/gpu_check.txt 2>&1; ech
 tail -22 $OUT/gpu_check.txt
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
-B=$(( $(left) - 4 )); [ $B -gt 30 ] && timeout $B python3 benchmarks/sweep_env.py --var HUMMING_JAX_FUSED_LAYER --values 0,1 --shapes qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b --formats w4a16-int4-g128,bf16,w8a8-fp8-block128 --tokens 1,16 --part layer --timer device --repeats 5 --out $OUT/sweep-fused-layer.json > $OUT/sweep-fused-layer.txt 2>&1
+B=$(( $(left) - 4 )); [ $B -gt 30 ] && timeout $B python3 benchmarks/sweep_env.py --var HUMMING_JAX_FUSED_LAYER --values 0,1 --shapes qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b --formats w4a16-int4-g128,bf16,w8a8-fp8-block128 --tokens 1,16 --part layer --timer device --repeats 3 --out $OUT/sweep-fused-layer.json > $OUT/sweep-fused-layer.txt 2>&1
 echo "layer sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep -v "SM clock" $OUT/sweep-fused-layer.txt | tail -7

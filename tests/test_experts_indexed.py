@@ -110,14 +110,23 @@ def test_indexed_layer_graph_has_the_one_call_unless_switched_off(rng, monkeypat
     assert {"humming_jax.quantize", "humming_jax.gemm_indexed"} <= calls
 
 
+# The bad-input tests' problem: 4 experts, H = 256, I = 128, 3 tokens of top-2, block_m 4.
+_E, _H, _I, _M, _K = 4, 256, 128, 3, 2
+
+
+def _bad_input_problem(rng, scheme):
+    """(quantize, w13 [E, 2I, H], w2 [E, H, I], routing, x [M, H], the calls' common arguments)."""
+    q = SCHEMES[scheme].quantize
+    w13 = q(rng.standard_normal((_E, 2 * _I, _H)).astype(np.float32), jnp.bfloat16)
+    w2 = q(rng.standard_normal((_E, _H, _I)).astype(np.float32), jnp.bfloat16)
+    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, _M, _K, _E, pad=0.0), None, _E, 4)
+    x = jnp.asarray(rng.standard_normal((_M, _H)), jnp.bfloat16)
+    return q, w13, w2, r, x, dict(rows=_M * _K, gather_div=_K, block_m=4, out_dtype=jnp.bfloat16)
+
+
 def test_experts_indexed_rejects_bad_input(rng):
-    e, h, i, m, k = 4, 256, 128, 3, 2
-    q = SCHEMES["w4a16-int4-g128"].quantize
-    w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32), jnp.bfloat16)
-    w2 = q(rng.standard_normal((e, h, i)).astype(np.float32), jnp.bfloat16)
-    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, m, k, e, pad=0.0), None, e, 4)
-    common = dict(rows=m * k, gather_div=k, block_m=4, out_dtype=jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    e, h, i = _E, _H, _I
+    q, w13, w2, r, x, common = _bad_input_problem(rng, "w4a16-int4-g128")
     with pytest.raises(ValueError, match="needs a gated activation"):
         gemm_ops.experts_indexed(x, w13, None, w2, None, r, activation="gelu_no_mul", **common)
     w2_wide = q(rng.standard_normal((e, h, 2 * i)).astype(np.float32), jnp.bfloat16)
@@ -166,14 +175,9 @@ def test_experts_indexed_quant_without_biases(rng, m):
 
 
 def test_experts_indexed_quant_rejects_bad_input(rng):
-    e, h, i, m, k = 4, 256, 128, 3, 2
-    q = SCHEMES["w8a8-fp8-block128"].quantize
-    w13 = q(rng.standard_normal((e, 2 * i, h)).astype(np.float32), jnp.bfloat16)
-    w2 = q(rng.standard_normal((e, h, i)).astype(np.float32), jnp.bfloat16)
-    r = routing_ops.routing_indexed(testing.distinct_topk_ids(rng, m, k, e, pad=0.0), None, e, 4)
-    common = dict(rows=m * k, gather_div=k, block_m=4, out_dtype=jnp.bfloat16, quant="fp8",
-                  act_group_k=128)
-    x = jnp.asarray(rng.standard_normal((m, h)), jnp.bfloat16)
+    e, h, i, m = _E, _H, _I, _M
+    q, w13, w2, r, x, common = _bad_input_problem(rng, "w8a8-fp8-block128")
+    common.update(quant="fp8", act_group_k=128)
     # A plain activation keeps w13's 2i columns: w2 with K = i does not fit.
     with pytest.raises(ValueError, match="w2 must have K"):
         gemm_ops.experts_indexed_quant(x, w13, None, w2, None, r, activation="gelu_no_mul", **common)

@@ -15,6 +15,7 @@ from .. import _ffi
 from .._abi import WeightType
 from ..activations import get_activation
 from ..weights import PackedWeight
+from .activation import _quant_shapes  # the quantize calls' result shapes and checks
 from .routing import IndexedRouting
 
 
@@ -130,8 +131,6 @@ def gemm_indexed_quant(
     calls, bit for bit. On the GPU the decode kernel quantizes the rows (after silu, its one
     activation) as it loads them where it takes the launch (128-column fp8 groups, short K);
     elsewhere the call runs the quantization (or activation + quantization) kernel first."""
-    from .activation import _quant_shapes  # the quantize call's result shapes and checks
-
     act_code, lim, cols = _activated_columns(x, activation, limit)
     c, _, _ = _call_indexed(
         "gemm_indexed_quant",
@@ -294,8 +293,6 @@ def experts_indexed_quant(
     [rows, w2.n], the same values as those two calls bit for bit (any activation, gated or not).
     On the GPU GEMM2's kernel is launched dependent on the kernel before it inside the call, so that
     under CUDA graphs its decode kernel reads the routing on that kernel's tail."""
-    from .activation import _quant_shapes  # the quantize call's result shapes and checks
-
     act_code, lim, cols = _activated_columns(jax.ShapeDtypeStruct((rows, w13.n), out_dtype), activation, limit)
     if w2.k != cols:
         raise ValueError(f"w2 must have K = {cols} (w13's rows after {activation!r}), got {w2.k}")

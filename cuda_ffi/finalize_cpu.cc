@@ -5,14 +5,12 @@
 
 #include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "layer_steps_cpu.h"
 
 namespace hj {
-namespace {
 
-Error FinalizeCpu(AnyBuffer d, AnyBuffer topk_weights, AnyBuffer src_rows, AnyBuffer out, Result<AnyBuffer> result) {
-  const std::string call = "finalize";
-  HJ_RETURN_IF_ERROR(check_finalize_result(call, d, topk_weights, src_rows, out, *result));
-  const int64_t M = dim(out, 0), H = dim(out, 1), k = dim(topk_weights, 1), Rd = dim(d, 0);
+void finalize_cpu(const AnyBuffer& d, const AnyBuffer& topk_weights, const AnyBuffer& src_rows, AnyBuffer& result) {
+  const int64_t M = dim(result, 0), H = dim(result, 1), k = dim(topk_weights, 1), Rd = dim(d, 0);
   const ElemType t = elem_type_of(d.element_type());
   const float* w = static_cast<const float*>(topk_weights.untyped_data());
   const int32_t* src = static_cast<const int32_t*>(src_rows.untyped_data());
@@ -24,8 +22,15 @@ Error FinalizeCpu(AnyBuffer d, AnyBuffer topk_weights, AnyBuffer src_rows, AnyBu
       const float wj = w[m * k + j];
       for (int64_t h = 0; h < H; ++h) acc[h] += wj * load_elem(t, d.untyped_data(), row * H + h);
     }
-    for (int64_t h = 0; h < H; ++h) store_elem(t, result->untyped_data(), m * H + h, acc[h]);
+    for (int64_t h = 0; h < H; ++h) store_elem(t, result.untyped_data(), m * H + h, acc[h]);
   });
+}
+
+namespace {
+
+Error FinalizeCpu(AnyBuffer d, AnyBuffer topk_weights, AnyBuffer src_rows, AnyBuffer out, Result<AnyBuffer> result) {
+  HJ_RETURN_IF_ERROR(check_finalize_result("finalize", d, topk_weights, src_rows, out, *result));
+  finalize_cpu(d, topk_weights, src_rows, *result);
   return Error::Success();
 }
 

@@ -9,6 +9,7 @@
 #include "cuda_launch.cuh"
 #include "dependent_launch.cuh"
 #include "ffi_common.h"
+#include "layer_steps_cuda.h"
 
 namespace hj {
 namespace {
@@ -150,14 +151,20 @@ Error FinalizeCuda(cudaStream_t stream, AnyBuffer d, AnyBuffer topk_weights, Any
                    Result<AnyBuffer> result) {
   const std::string call = "finalize";
   HJ_RETURN_IF_ERROR(check_finalize_result(call, d, topk_weights, src_rows, out, *result));
-  const int64_t M = dim(out, 0), H = dim(out, 1), k = dim(topk_weights, 1), Rd = dim(d, 0);
-  if (M * H == 0) return Error::Success();
-  if (elem_type_of(d.element_type()) == ElemType::kF16)
-    return launch_finalize<ElemType::kF16>(call, stream, d, topk_weights, src_rows, *result, M, H, k, Rd);
-  return launch_finalize<ElemType::kBF16>(call, stream, d, topk_weights, src_rows, *result, M, H, k, Rd);
+  return launch_finalize_rows(call, stream, d, topk_weights, src_rows, *result);
 }
 
 }  // namespace
+
+Error launch_finalize_rows(const std::string& call, cudaStream_t stream, const AnyBuffer& d,
+                           const AnyBuffer& topk_weights, const AnyBuffer& src_rows, AnyBuffer& result) {
+  const int64_t M = dim(result, 0), H = dim(result, 1), k = dim(topk_weights, 1), Rd = dim(d, 0);
+  if (M * H == 0) return Error::Success();
+  if (elem_type_of(d.element_type()) == ElemType::kF16)
+    return launch_finalize<ElemType::kF16>(call, stream, d, topk_weights, src_rows, result, M, H, k, Rd);
+  return launch_finalize<ElemType::kBF16>(call, stream, d, topk_weights, src_rows, result, M, H, k, Rd);
+}
+
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjFinalizeCuda, hj::FinalizeCuda, hj::bind_finalize<hj::CudaStream>(),

@@ -5,6 +5,7 @@
 
 #include "cpu_parallel.h"
 #include "ffi_common.h"
+#include "layer_steps_cpu.h"
 #include "permute_rows_cpu.h"
 #include "quantize_cpu.h"
 
@@ -143,8 +144,7 @@ Error ExpertsIndexedCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer
       WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
       WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
       activation, gather_div, block_m, *d, *y, *c, &g));
-  gemm_indexed_gated_runs(g.up, g.up_l, *c, y->untyped_data(), activation, limit);
-  gemm_indexed_runs(g.down, g.down_l);
+  experts_indexed_cpu(g, *c, y->untyped_data(), activation, limit);
   return Error::Success();
 }
 
@@ -304,6 +304,12 @@ Error GemmBatchedIntoCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyB
 }
 
 }  // namespace
+
+void experts_indexed_cpu(const ExpertsIndexedCall& g, const AnyBuffer& c, void* y, int64_t activation, float limit) {
+  gemm_indexed_gated_runs(g.up, g.up_l, c, y, activation, limit);
+  gemm_indexed_runs(g.down, g.down_l);
+}
+
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCpu, hj::GemmIndexedCpu, hj::bind_gemm_indexed<void>());

@@ -6,6 +6,7 @@
 #include "cuda_launch.cuh"
 #include "ffi_common.h"
 #include "gemm_kernels_sm80.cuh"
+#include "layer_steps_cuda.h"
 #include "quantize_cuda.h"
 #if defined(HUMMING_JAX_FAST_PATHS)
 #include "gemm_decode_sm90.h"
@@ -200,16 +201,7 @@ Error ExpertsIndexedCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, AnyBuff
       WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
       WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
       activation, gather_div, block_m, *d, *y, *c, &g));
-  const GatedOut gate{static_cast<int>(activation), limit, y->untyped_data()};
-  bool gated = false;
-  HJ_RETURN_IF_ERROR(launch_indexed(call, g.up, g.up_l, gather_div, block_m, stream, nullptr, &gate, &gated));
-  if (!gated)
-    HJ_RETURN_IF_ERROR(launch_activation(call, stream, c->untyped_data(), y->untyped_data(), g.up.c_type,
-                                         static_cast<int>(activation), limit, dim(*c, 0), g.up.N, g.up.N / 2));
-  // GEMM1 launches a kernel unless it has no blocks or no columns; without one, the kernel before
-  // GEMM2 could be the routing's own, whose results are not final while it runs.
-  const bool up_launched = g.up_l.num_blocks > 0 && g.up.N > 0;
-  return launch_indexed(call, g.down, g.down_l, 1, block_m, stream, nullptr, nullptr, nullptr, up_launched);
+  return launch_experts_indexed(call, stream, g, gather_div, block_m, activation, limit, *y, *c);
 }
 
 // The same for 8-bit activations: GEMM1 quantizes x, GEMM2 activates and quantizes GEMM1's rows.
@@ -429,6 +421,22 @@ Error GemmBatchedIntoCuda(cudaStream_t stream, AnyBuffer a, AnyBuffer a_scale, A
 }
 
 }  // namespace
+
+Error launch_experts_indexed(const std::string& call, cudaStream_t stream, const ExpertsIndexedCall& g,
+                             int64_t gather_div, int64_t block_m, int64_t activation, float limit, AnyBuffer& y,
+                             AnyBuffer& c) {
+  const GatedOut gate{static_cast<int>(activation), limit, y.untyped_data()};
+  bool gated = false;
+  HJ_RETURN_IF_ERROR(launch_indexed(call, g.up, g.up_l, gather_div, block_m, stream, nullptr, &gate, &gated));
+  if (!gated)
+    HJ_RETURN_IF_ERROR(launch_activation(call, stream, c.untyped_data(), y.untyped_data(), g.up.c_type,
+                                         static_cast<int>(activation), limit, dim(c, 0), g.up.N, g.up.N / 2));
+  // GEMM1 launches a kernel unless it has no blocks or no columns; without one, the kernel before
+  // GEMM2 could be the routing's own, whose results are not final while it runs.
+  const bool up_launched = g.up_l.num_blocks > 0 && g.up.N > 0;
+  return launch_indexed(call, g.down, g.down_l, 1, block_m, stream, nullptr, nullptr, nullptr, up_launched);
+}
+
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjGemmIndexedCuda, hj::GemmIndexedCuda, hj::bind_gemm_indexed<hj::CudaStream>(),

@@ -25,6 +25,7 @@ XLA_FFI_Error* HjActivationQuantCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjQuantizeCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjQuantizePermutedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjFinalizeCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* HjLayerIndexedCpu(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -55,6 +56,7 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["quantize"] = encapsulate(HjQuantizeCpu);
     d["quantize_permuted"] = encapsulate(HjQuantizePermutedCpu);
     d["finalize"] = encapsulate(HjFinalizeCpu);
+    d["layer_indexed"] = encapsulate(HjLayerIndexedCpu);
     return d;
   });
 }

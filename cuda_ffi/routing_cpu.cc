@@ -3,27 +3,20 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "layer_steps_cpu.h"
 #include "permute_rows_cpu.h"
 
 namespace hj {
-namespace {
 
-Error RoutingIndexedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuffer> sorted_ids,
-                        Result<AnyBuffer> block_expert_ids, Result<AnyBuffer> ntpp, Result<AnyBuffer> src_rows,
-                        int64_t num_local_experts, int64_t block_m, int64_t identity_map) {
-  const std::string call = "routing_indexed";
-  RoutingShape s;
-  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, identity_map, &s));
-  int64_t P = 0;
-  HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
-                                                   *block_expert_ids, *ntpp, *src_rows, &P));
+void routing_indexed_cpu(const RoutingShape& s, const AnyBuffer& topk_ids, const AnyBuffer& expert_map,
+                         int64_t block_m, int64_t P, AnyBuffer& sorted_ids, AnyBuffer& block_expert_ids,
+                         AnyBuffer& ntpp, AnyBuffer& src_rows) {
   const int64_t entries = s.M * s.top_k;
-
   const int32_t* ids = static_cast<const int32_t*>(topk_ids.untyped_data());
   const int32_t* map = static_cast<const int32_t*>(expert_map.untyped_data());
-  int32_t* sorted = static_cast<int32_t*>(sorted_ids->untyped_data());
-  int32_t* blocks = static_cast<int32_t*>(block_expert_ids->untyped_data());
-  int32_t* src = static_cast<int32_t*>(src_rows->untyped_data());
+  int32_t* sorted = static_cast<int32_t*>(sorted_ids.untyped_data());
+  int32_t* blocks = static_cast<int32_t*>(block_expert_ids.untyped_data());
+  int32_t* src = static_cast<int32_t*>(src_rows.untyped_data());
 
   std::vector<int64_t> count(s.num_local, 0), cursor(s.num_local, 0);
   std::vector<int32_t> local(entries);
@@ -43,7 +36,21 @@ Error RoutingIndexedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuff
   }
   for (int64_t i = 0; i < entries; ++i)
     if (local[i] >= 0) sorted[cursor[local[i]]++] = static_cast<int32_t>(i);
-  *static_cast<int32_t*>(ntpp->untyped_data()) = static_cast<int32_t>(start);
+  *static_cast<int32_t*>(ntpp.untyped_data()) = static_cast<int32_t>(start);
+}
+
+namespace {
+
+Error RoutingIndexedCpu(AnyBuffer topk_ids, AnyBuffer expert_map, Result<AnyBuffer> sorted_ids,
+                        Result<AnyBuffer> block_expert_ids, Result<AnyBuffer> ntpp, Result<AnyBuffer> src_rows,
+                        int64_t num_local_experts, int64_t block_m, int64_t identity_map) {
+  const std::string call = "routing_indexed";
+  RoutingShape s;
+  HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, identity_map, &s));
+  int64_t P = 0;
+  HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
+                                                   *block_expert_ids, *ntpp, *src_rows, &P));
+  routing_indexed_cpu(s, topk_ids, expert_map, block_m, P, *sorted_ids, *block_expert_ids, *ntpp, *src_rows);
   return Error::Success();
 }
 

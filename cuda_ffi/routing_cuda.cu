@@ -24,6 +24,7 @@
 #include "dependent_launch.cuh"
 #include "ffi_common.h"
 #include "grouped_rows.cuh"
+#include "layer_steps_cuda.h"
 #include "rs4_k_order.cuh"
 
 namespace hj {
@@ -366,15 +367,8 @@ Error RoutingIndexedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expe
   int64_t P = 0;
   HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, *sorted_ids,
                                                    *block_expert_ids, *ntpp, *src_rows, &P));
-  RoutingArgs a = routing_inputs(s, topk_ids, expert_map);
-  a.block_m = static_cast<int32_t>(block_m);
-  a.order = static_cast<int32_t*>(sorted_ids->untyped_data());
-  a.order_len = static_cast<int32_t>(P);
-  a.blocks = static_cast<int32_t*>(block_expert_ids->untyped_data());
-  a.num_blocks = static_cast<int32_t>(P / block_m);
-  a.ntpp = static_cast<int32_t*>(ntpp->untyped_data());
-  a.src = static_cast<int32_t*>(src_rows->untyped_data());
-  return launch_routing(call, stream, s, true, a);
+  return launch_routing_indexed(call, stream, s, topk_ids, expert_map, block_m, P, *sorted_ids, *block_expert_ids,
+                                *ntpp, *src_rows);
 }
 
 Error RoutingGroupedCuda(cudaStream_t stream, AnyBuffer topk_ids, AnyBuffer expert_map,
@@ -505,6 +499,21 @@ Error PermuteRowsCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer permutation, A
 }
 
 }  // namespace
+
+Error launch_routing_indexed(const std::string& call, cudaStream_t stream, const RoutingShape& s,
+                             const AnyBuffer& topk_ids, const AnyBuffer& expert_map, int64_t block_m, int64_t P,
+                             AnyBuffer& sorted_ids, AnyBuffer& block_expert_ids, AnyBuffer& ntpp,
+                             AnyBuffer& src_rows) {
+  RoutingArgs a = routing_inputs(s, topk_ids, expert_map);
+  a.block_m = static_cast<int32_t>(block_m);
+  a.order = static_cast<int32_t*>(sorted_ids.untyped_data());
+  a.order_len = static_cast<int32_t>(P);
+  a.blocks = static_cast<int32_t*>(block_expert_ids.untyped_data());
+  a.num_blocks = static_cast<int32_t>(P / block_m);
+  a.ntpp = static_cast<int32_t*>(ntpp.untyped_data());
+  a.src = static_cast<int32_t*>(src_rows.untyped_data());
+  return launch_routing(call, stream, s, true, a);
+}
 
 Error permute_rows_into(const std::string& call, cudaStream_t stream, const void* x, const int32_t* perm,
                         const int32_t* offsets, int64_t num_offsets, int64_t R, int64_t row_bytes, int64_t top_k,

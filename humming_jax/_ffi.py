@@ -39,6 +39,7 @@ CALLS = (
     "quantize",
     "quantize_permuted",
     "finalize",
+    "layer_indexed",
 )
 
 _state: dict[str, Any] = {"cpu": None, "cuda": None, "cuda_error": None, "cuda_path": None, "cuda_missing": []}

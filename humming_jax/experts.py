@@ -19,6 +19,7 @@ from .activations import ACTIVATIONS, get_activation
 from .ops import activation as act_ops
 from .ops import finalize as fin_ops
 from .ops import gemm as gemm_ops
+from .ops import layer as layer_ops
 from .ops import routing as routing_ops
 from .quant_keys import QuantKey, describe_pair
 from .quantize import SUPPORTED_PAIRS, act_quant_params
@@ -212,8 +213,26 @@ class _StandardExperts(FusedMoEExperts):
             raise ValueError("expert_num_tokens belongs to the batched format")
         tw, ids = _check_topk(topk_weights, topk_ids, hidden_states.shape[0])
         emap = _expert_map(expert_map, global_num_experts, weights.num_experts)
+        whole = self._layer(out, hidden_states, weights, tw, ids, emap, activation, activation_limit)
+        if whole is not None:
+            return whole
         d, src_rows = self._experts(hidden_states, weights, ids, emap, activation, activation_limit)
         return fin_ops.finalize(d, tw, src_rows, out)
+
+    def _layer(
+        self,
+        out: jax.Array,
+        x: jax.Array,
+        weights: MoEWeights,
+        topk_weights: jax.Array,
+        ids: jax.Array,
+        emap: jax.Array | None,
+        activation: str,
+        limit: float | None,
+    ) -> jax.Array | None:
+        """The whole layer as one call where the class has one for this case (its result, which
+        aliases ``out``), else None: routing, experts and finalize then run as calls of their own."""
+        return None
 
     def _experts(
         self,
@@ -250,6 +269,15 @@ def fused_activation() -> int:
     return int(v)
 
 
+def fused_layer() -> bool:
+    """Whether the indexed class runs the whole layer as one call (``layer_indexed``: routing, the
+    two GEMMs and finalize) where its GEMMs would be one ``experts_indexed`` call. Read at trace
+    time from ``HUMMING_JAX_FUSED_LAYER`` (``0``: routing, experts and finalize as three calls, for
+    A/B timing); the values are the same either way. A CUDA library named by
+    ``$HUMMING_JAX_CUDA_LIB`` that predates ``layer_indexed`` keeps the three calls."""
+    return os.environ.get("HUMMING_JAX_FUSED_LAYER", "1") != "0" and _ffi.call_available("layer_indexed")
+
+
 def fused_experts(call: str = "experts_indexed") -> bool:
     """Whether the indexed class runs its two GEMMs in one call: ``experts_indexed`` where GEMM1
     writes the activated rows (16-bit activations, a gated activation, ``fused_activation() >= 1``)
@@ -265,6 +293,18 @@ class IndexedExperts(_StandardExperts):
     """Standard format, indexed: GEMM1 gathers token rows through expert-sorted ids."""
 
     gemm_type = "indexed"
+
+    def _layer(self, out, x, weights, topk_weights, ids, emap, activation, limit):
+        # Where the two GEMMs would be one experts_indexed call, routing and finalize join them.
+        if act_quant_params(weights.act_key) is not None or not fused_layer():
+            return None
+        if not (get_activation(activation, limit)[0].gated and fused_activation() >= 1 and fused_experts()):
+            return None
+        m, k = ids.shape
+        return layer_ops.layer_indexed(
+            x, weights.w13, weights.b13, weights.w2, weights.b2, ids, emap, topk_weights, out,
+            block_m=indexed_block_m(m * k, weights.num_experts), activation=activation, limit=limit,
+        )
 
     def _experts(self, x, weights, ids, emap, activation, limit):
         m, k = ids.shape

@@ -21,7 +21,7 @@ import humming_jax as hj
 from humming_jax import _ffi
 from humming_jax._abi import WeightType
 from humming_jax.activations import get_activation
-from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts
+from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts, indexed_block_m
 from humming_jax.ops import activation as act_ops
 from humming_jax.ops import gemm as gemm_ops
 from humming_jax.ops import routing as routing_ops
@@ -1420,6 +1420,21 @@ def test_decode_gated_epilogue_matches_two_calls_and_cpu(rng, monkeypatch, schem
     assert gated.count == expect, f"{what}: {gated.count} gated launches"
 
 
+def _gated_pair(rng, monkeypatch, scheme, pdl, e, h, i):
+    """HUMMING_JAX_PDL set to ``pdl`` (None: unset), then a gated layer's two random weights with
+    biases: (dtype, w13 [e, 2i, h], b13, w2 [e, h, i], b2)."""
+    if pdl is None:
+        monkeypatch.delenv("HUMMING_JAX_PDL", raising=False)
+    else:
+        monkeypatch.setenv("HUMMING_JAX_PDL", pdl)
+    dtype = SCHEMES[scheme].default_dtype
+    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
+    w2 = _decode_weights(rng, scheme, dtype, e, h, i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1)
+    return dtype, w13, b13, w2, b2
+
+
 @requires_decode
 @pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4"])
 @pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0)])
@@ -1431,15 +1446,7 @@ def test_decode_experts_indexed_matches_two_calls_and_cpu(rng, monkeypatch, sche
     pairs, GEMM2 launched dependent on it and reading the routing and its first weights before
     its wait), with the bits of gemm_indexed_gated then gemm_indexed in calls of their own, with
     dependent launches on (HUMMING_JAX_PDL unset) and off, and close to the CPU's values."""
-    if pdl is None:
-        monkeypatch.delenv("HUMMING_JAX_PDL", raising=False)
-    else:
-        monkeypatch.setenv("HUMMING_JAX_PDL", pdl)
-    dtype = SCHEMES[scheme].default_dtype
-    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
-    w2 = _decode_weights(rng, scheme, dtype, e, h, i)
-    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
-    b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1)
+    dtype, w13, b13, w2, b2 = _gated_pair(rng, monkeypatch, scheme, pdl, e, h, i)
     ids, _ = _decode_routing(rng, m, k, e)
     ids = jnp.where(ids >= e, -1, ids)
     fn, ops = experts_indexed_forms(rng, w13, b13, w2, b2, dtype, ids, activation, limit)
@@ -1449,6 +1456,47 @@ def test_decode_experts_indexed_matches_two_calls_and_cpu(rng, monkeypatch, sche
     _check_fused_forms(got, fn, ops, dtype, what, exact=True)
     assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
     assert gated.count == 2, f"{what}: {gated.count} gated launches (GEMM1 of each form)"
+
+
+@requires_decode
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16-int4-g128", "w4a16-mxfp4"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0)])
+@pytest.mark.parametrize("pdl", [None, "0"])
+@pytest.mark.parametrize("m,k,e,h,i", [(1, 8, 128, 512, 256), (16, 4, 8, 256, 384), (5, 2, 6, 1024, 128)])
+def test_decode_layer_indexed_matches_three_calls_and_cpu(rng, monkeypatch, scheme, activation, limit, pdl, m, k, e,
+                                                          h, i):
+    """layer_indexed on the GPU (the routing kernel, both GEMMs on the decode kernel, the finalize
+    kernel, each launched dependent on the one before inside the call), with the bits of
+    routing_indexed, experts_indexed and finalize as calls of their own into a NaN-poisoned out,
+    dependent launches on and off, an expert map with remote experts, and close to the CPU's values."""
+    from humming_jax.ops import finalize as fin_ops
+    from humming_jax.ops import layer as layer_ops
+
+    dtype, w13, b13, w2, b2 = _gated_pair(rng, monkeypatch, scheme, pdl, e, h, i)
+    ids, emap = _decode_routing(rng, m, k, e)
+    tw = jnp.asarray(rng.random((m, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, h)), dtype)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, emap, tw, w13, b13, w2, b2):
+        one = layer_ops.layer_indexed(x, w13, b13, w2, b2, ids, emap, tw, nan_out(x.shape, x.dtype), block_m=bm,
+                                      activation=activation, limit=limit)
+        r = routing_ops.routing_indexed(ids, emap, e, bm)
+        d = gemm_ops.experts_indexed(x, w13, b13, w2, b2, r, rows=m * k, gather_div=k, block_m=bm, out_dtype=dtype,
+                                     activation=activation, limit=limit)
+        three = fin_ops.finalize(d, tw, r.src_rows, nan_out(x.shape, x.dtype))
+        return dict(one=one, three=three)
+
+    ops = (x, ids, emap, tw, w13, b13, w2, b2)
+    what = f"{scheme} {activation} pdl={pdl} M={m} E={e} H={h} I={i}"
+    with _LaunchCount(_DECODE_LAUNCHES) as launches:
+        got = _run_on(GPU, fn, ops)
+    assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
+    assert np.all(np.isfinite(got["one"])) and np.any(got["one"] != 0.0), what
+    np.testing.assert_array_equal(got["one"], got["three"], err_msg=f"{what}: one call != three calls")
+    want = _run_on(CPU, fn, ops)
+    np.testing.assert_array_equal(want["one"], want["three"], err_msg=f"{what}: CPU one call != three calls")
+    _assert_close(got["one"], want["one"], dtype, f"{what}: GPU against CPU")
 
 
 @requires_decode

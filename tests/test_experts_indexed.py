@@ -78,11 +78,12 @@ def _layer_calls(layer) -> set[str]:
 
 
 def test_indexed_layer_graph_has_the_one_call_unless_switched_off(rng, monkeypatch):
-    """16-bit activations with a gated activation: experts_indexed by default, the two GEMM calls
-    with HUMMING_JAX_FUSED_EXPERTS=0 or without the fused activation; 8-bit activations keep
-    their own calls."""
+    """16-bit activations with a gated activation (the one-call layer off, HUMMING_JAX_FUSED_LAYER=0):
+    experts_indexed by default, the two GEMM calls with HUMMING_JAX_FUSED_EXPERTS=0 or without the
+    fused activation; 8-bit activations keep their own calls."""
     layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w4a16-int4-g128")
     monkeypatch.delenv("HUMMING_JAX_FUSED_EXPERTS", raising=False)
+    monkeypatch.setenv("HUMMING_JAX_FUSED_LAYER", "0")  # routing, experts, finalize (test_layer_indexed.py)
     calls = _layer_calls(layer)
     assert "humming_jax.experts_indexed" in calls
     assert not {"humming_jax.gemm_indexed", "humming_jax.gemm_indexed_gated", "humming_jax.activation"} & calls

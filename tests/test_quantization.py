@@ -248,7 +248,7 @@ def test_workspace_rule_paths_run_clean(rng, path, cls):
     calls = _custom_calls(hlo)
     aliased = [c for c in calls if "output_operand_alias" in c]
     assert len(aliased) == 1, f"exactly one call (the last) may alias; got {aliased}"
-    assert re.search(r"@humming_jax\.(finalize|gemm_batched_into)\(", aliased[0])
+    assert re.search(r"@humming_jax\.(finalize|gemm_batched_into|layer_indexed)\(", aliased[0])
     assert aliased[0] is calls[-1]
     # The activation and quantization in one call: activation_quant, or (the indexed class) GEMM2's
     # gemm_indexed_quant, or the two GEMMs' experts_indexed_quant, with an activation.

@@ -116,7 +116,7 @@ def test_fused_moe_uses_the_environment(rng, monkeypatch):
     monkeypatch.setenv(ENV_GEMM_TYPE, "indexed")
     indexed = jax.jit(f()).lower(layer.x, layer.weights, layer.topk_weights, layer.topk_ids).as_text()
     assert "humming_jax.permute_rows" in grouped and "humming_jax.gemm_grouped" in grouped
-    assert "humming_jax.routing_indexed" in indexed and "permute_rows" not in indexed
+    assert "humming_jax.layer_indexed" in indexed and "permute_rows" not in indexed
 
 
 def test_grouped_class_gathers_its_rows_with_the_switch(rng, monkeypatch):
@@ -191,6 +191,6 @@ def test_fused_moe_auto_runs_the_class_its_size_asks_for(rng, monkeypatch):
         f = jax.jit(lambda x, w, tw, ids: hj.fused_moe(x, w, tw, ids))
         hlo = f.lower(*args).as_text()
         assert ("humming_jax.gemm_grouped" in hlo) == grouped, m
-        indexed = "humming_jax.gemm_indexed" in hlo or "humming_jax.experts_indexed" in hlo
+        indexed = any(f"humming_jax.{c}" in hlo for c in ("gemm_indexed", "experts_indexed", "layer_indexed"))
         assert indexed == (not grouped), m
         assert relative_error(f(*args), reference(layer)) < 1.2e-2

@@ -212,23 +212,31 @@ def _call_experts(
 ) -> Any:
     """An experts_* call: x, both GEMMs' weight operands and the routing's three arrays, GEMM1's
     weight attributes under gemm_indexed's names and GEMM2's with the prefix ``down_``."""
-    up, up_attrs = _operands(x, None, w13, b13, 0)
-    down, down_attrs = _operands(x, None, w2, b2, 0)
-    up_attrs.pop("act_group_k")
-    down_attrs.pop("act_group_k")
+    weights, weight_attrs = experts_weight_operands(w13, b13, w2, b2)
     return _ffi.call(
         name,
         results,
         x,
-        *up[2:],
-        *down[2:],
+        *weights,
         routing.sorted_ids,
         routing.block_expert_ids,
         routing.num_tokens_post_padded,
-        **up_attrs,
-        **{"down_" + k: v for k, v in down_attrs.items()},
+        **weight_attrs,
         **attrs,
     )
+
+
+def experts_weight_operands(
+    w13: PackedWeight, b13: jax.Array | None, w2: PackedWeight, b2: jax.Array | None
+) -> tuple[list[jax.Array], dict[str, int]]:
+    """The two GEMMs' weight operands (w13's qweight, scale, zero, scale2, bias, then w2's) and
+    attributes (GEMM1's under gemm_indexed's names, GEMM2's with the prefix ``down_``) of the
+    experts_* and layer_* calls."""
+    up, up_attrs = _operands(w13.data, None, w13, b13, 0)
+    down, down_attrs = _operands(w2.data, None, w2, b2, 0)
+    up_attrs.pop("act_group_k")
+    down_attrs.pop("act_group_k")
+    return [*up[2:], *down[2:]], {**up_attrs, **{"down_" + k: v for k, v in down_attrs.items()}}
 
 
 def experts_indexed(

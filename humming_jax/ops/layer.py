@@ -1,0 +1,72 @@
+"""The whole indexed layer as one custom call (``layer_indexed``): routing, both GEMMs and the
+finalize step into the caller's ``out``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _ffi
+from ..weights import PackedWeight
+from .gemm import _gated_activation, experts_weight_operands
+from .routing import _map_operand, indexed_padded_rows
+
+
+def layer_indexed(
+    x: jax.Array,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    topk_ids: jax.Array,
+    expert_map: jax.Array | None,
+    topk_weights: jax.Array,
+    out: jax.Array,
+    *,
+    block_m: int,
+    activation: str,
+    limit: float | None = None,
+) -> jax.Array:
+    """``finalize(experts_indexed(x, routing_indexed(topk_ids, expert_map), ...), topk_weights,
+    src_rows, out)`` in one call, for 16-bit activations and a gated activation: the same values as
+    those three calls, bit for bit. The result aliases ``out`` (operand 14): under donation it
+    occupies out's buffer. The routing arrays and the GEMMs' rows are the call's own scratch
+    results. On the GPU the four kernels (routing, GEMM1, GEMM2, finalize) each start on the tail
+    of the one before: under CUDA graphs, where each custom call is a graph of its own, three
+    calls would put a graph boundary between them."""
+    code, lim = _gated_activation("layer_indexed", w13, activation, limit)
+    if w2.k != w13.n // 2:
+        raise ValueError(f"w2 must have K = {w13.n // 2} (half of w13's rows), got {w2.k}")
+    m, k = topk_ids.shape
+    e = w13.data.shape[0]
+    rows = m * k
+    p = indexed_padded_rows(rows, e, block_m)
+    map_operand, identity = _map_operand(topk_ids, expert_map)
+    weights, weight_attrs = experts_weight_operands(w13, b13, w2, b2)
+    i32, dt = jnp.int32, x.dtype
+    results: Any = (
+        jax.ShapeDtypeStruct(out.shape, out.dtype),
+        jax.ShapeDtypeStruct((rows, w2.n), dt),
+        jax.ShapeDtypeStruct((rows, w13.n // 2), dt),
+        jax.ShapeDtypeStruct((rows, w13.n), dt),
+        jax.ShapeDtypeStruct((p,), i32),
+        jax.ShapeDtypeStruct((p // block_m,), i32),
+        jax.ShapeDtypeStruct((1,), i32),
+        jax.ShapeDtypeStruct((m, k), i32),
+    )
+    operands = (x, *weights, topk_ids, map_operand, topk_weights, out)
+    res = _ffi.call(
+        "layer_indexed",
+        results,
+        *operands,
+        aliases={len(operands) - 1: 0},
+        **weight_attrs,
+        num_local_experts=e,
+        block_m=block_m,
+        identity_map=identity,
+        activation=code,
+        limit=lim,
+    )
+    return res[0]

@@ -599,6 +599,15 @@ auto bind_experts_indexed_quant() {
       .template Attr<float>("limit");
 }
 
+// The operands of the layer_* calls: x and the weights, then topk_ids, the expert map (or a
+// stand-in), topk_weights and out (operand 14, aliased to result 0).
+#define HJ_LAYER_OPERANDS                                                                        \
+  HJ_EXPERTS_X_AND_WEIGHTS                                                                       \
+      .template Arg<AnyBuffer>()                  /* topk_ids [M, top_k] int32 */                \
+      .template Arg<AnyBuffer>()                  /* expert_map [num_global] int32 */            \
+      .template Arg<AnyBuffer>()                  /* topk_weights [M, top_k] f32 */              \
+      .template Arg<AnyBuffer>()                  /* out [M, H] */
+
 // layer_indexed(x, w13..., w2..., topk_ids, expert_map, topk_weights, out)
 //   -> out (aliased to operand 14), d, y, c, sorted_ids, block_expert_ids, num_tokens_post_padded,
 //   src_rows: the indexed layer in one call, routing_indexed(topk_ids, expert_map), then
@@ -607,11 +616,7 @@ auto bind_experts_indexed_quant() {
 //   scratch. identity_map as routing_indexed's; num_local_experts is the weights' E.
 template <typename PlatformCtx>
 auto bind_layer_indexed() {
-  return bind_base<PlatformCtx>() HJ_EXPERTS_X_AND_WEIGHTS
-      .template Arg<AnyBuffer>()  // topk_ids [M, top_k] int32
-      .template Arg<AnyBuffer>()  // expert_map [num_global] int32 (or a stand-in)
-      .template Arg<AnyBuffer>()  // topk_weights [M, top_k] f32
-      .template Arg<AnyBuffer>()  // out [M, H]
+  return bind_base<PlatformCtx>() HJ_LAYER_OPERANDS
       .template Ret<AnyBuffer>()  // out
       .template Ret<AnyBuffer>()  // d [M * top_k, H]
       .template Ret<AnyBuffer>()  // y [M * top_k, I]
@@ -625,6 +630,33 @@ auto bind_layer_indexed() {
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("identity_map")
       .template Attr<int64_t>("activation")
+      .template Attr<float>("limit");
+}
+
+// layer_indexed_quant(x, w13..., w2..., topk_ids, expert_map, topk_weights, out)
+//   -> out (aliased to operand 14), d, c, q1, q1_scale, q2, q2_scale, sorted_ids, block_expert_ids,
+//   num_tokens_post_padded, src_rows: layer_indexed for 8-bit activations, experts_indexed_quant
+//   over the routing (any activation; act_group_k as that call's) between routing_indexed and finalize.
+template <typename PlatformCtx>
+auto bind_layer_indexed_quant() {
+  return bind_base<PlatformCtx>() HJ_LAYER_OPERANDS
+      .template Ret<AnyBuffer>()  // out
+      .template Ret<AnyBuffer>()  // d [M * top_k, H]
+      .template Ret<AnyBuffer>()  // c [M * top_k, N1]
+      .template Ret<AnyBuffer>()  // q1 [M, H]
+      .template Ret<AnyBuffer>()  // q1_scale [M, groups] f32
+      .template Ret<AnyBuffer>()  // q2 [M * top_k, I]
+      .template Ret<AnyBuffer>()  // q2_scale [M * top_k, groups] f32
+      .template Ret<AnyBuffer>()  // sorted_ids [P]
+      .template Ret<AnyBuffer>()  // block_expert_ids [P / block_m]
+      .template Ret<AnyBuffer>()  // num_tokens_post_padded [1]
+      .template Ret<AnyBuffer>()  // src_rows [M, top_k]
+      HJ_EXPERTS_WEIGHT_ATTRS
+      .template Attr<int64_t>("act_group_k")
+      .template Attr<int64_t>("num_local_experts")
+      .template Attr<int64_t>("block_m")
+      .template Attr<int64_t>("identity_map")
+      .template Attr<int64_t>("activation")  // -1: none
       .template Attr<float>("limit");
 }
 
@@ -1132,28 +1164,32 @@ inline Error parse_experts_indexed_quant(const std::string& call, const AnyBuffe
                            span_of("block_expert_ids", block_expert_ids), span_of("num_tokens_post_padded", ntpp)});
 }
 
-// layer_indexed: the checks of its three steps (routing_indexed's, experts_indexed's with
-// gather_div = top_k, finalize's), x's rows those of topk_ids, num_local_experts the weights' E,
-// and every result apart from every other result and from every operand but out (result 0's alias).
-struct LayerIndexedCall {
+// layer_indexed / layer_indexed_quant: the checks of their three steps (routing_indexed's, the
+// experts call's with gather_div = top_k, finalize's), x's rows those of topk_ids, num_local_experts
+// the weights' E, and every result apart from every other result and from every operand but out
+// (result 0's alias).
+struct LayerRouting {
   RoutingShape s;
   int64_t padded_rows;  // sorted_ids' length
+};
+struct LayerIndexedCall : LayerRouting {
   ExpertsIndexedCall g;
+};
+struct LayerIndexedQuantCall : LayerRouting {
+  ExpertsIndexedQuantCall g;
 };
 inline Error check_finalize_result(const std::string& call, const AnyBuffer& d, const AnyBuffer& w,
                                    const AnyBuffer& src_rows, const AnyBuffer& out, const AnyBuffer& result);
-inline Error parse_layer_indexed(const std::string& call, const AnyBuffer& x, const AnyBuffer* w13,
-                                 const AnyBuffer* w2, const AnyBuffer& topk_ids, const AnyBuffer& expert_map,
-                                 const AnyBuffer& topk_weights, const AnyBuffer& out, const WeightAttrs& up,
-                                 const WeightAttrs& down, int64_t num_local_experts, int64_t block_m,
-                                 int64_t identity_map, int64_t activation, const AnyBuffer& result,
-                                 const AnyBuffer& d, const AnyBuffer& y, const AnyBuffer& c,
+// The routing's checks and x's rows, before the experts call's parse.
+inline Error parse_layer_routing(const std::string& call, const AnyBuffer& x, const AnyBuffer& topk_ids,
+                                 const AnyBuffer& expert_map, int64_t num_local_experts, int64_t block_m,
+                                 int64_t identity_map, const AnyBuffer& d, const AnyBuffer& c,
                                  const AnyBuffer& sorted_ids, const AnyBuffer& block_expert_ids,
-                                 const AnyBuffer& ntpp, const AnyBuffer& src_rows, LayerIndexedCall* out_call) {
-  RoutingShape& s = out_call->s;
+                                 const AnyBuffer& ntpp, const AnyBuffer& src_rows, LayerRouting* r) {
+  RoutingShape& s = r->s;
   HJ_RETURN_IF_ERROR(check_routing_inputs(call, topk_ids, expert_map, num_local_experts, identity_map, &s));
   HJ_RETURN_IF_ERROR(check_routing_indexed_outputs(call, s, block_m, topk_ids, expert_map, sorted_ids,
-                                                   block_expert_ids, ntpp, src_rows, &out_call->padded_rows));
+                                                   block_expert_ids, ntpp, src_rows, &r->padded_rows));
   HJ_RETURN_IF_ERROR(expect_rank(call, "x", x, 2));
   if (dim(x, 0) != s.M)
     return invalid(call, "x has " + std::to_string(dim(x, 0)) + " rows, topk_ids " + std::to_string(s.M));
@@ -1161,21 +1197,64 @@ inline Error parse_layer_indexed(const std::string& call, const AnyBuffer& x, co
   HJ_RETURN_IF_ERROR(expect_shape(call, "d", d, {s.M * s.top_k, dim(x, 1)}));
   HJ_RETURN_IF_ERROR(expect_rank(call, "c", c, 2));
   if (dim(c, 0) != s.M * s.top_k) return invalid(call, "c must have M * top_k rows");
-  HJ_RETURN_IF_ERROR(parse_experts_indexed(call, x, w13, w2, sorted_ids, block_expert_ids, ntpp, up, down, activation,
-                                           s.top_k, block_m, d, y, c, &out_call->g));
-  if (out_call->g.up.w.E != num_local_experts)
+  return Error::Success();
+}
+// After the experts call's parse: the weights' E, finalize's checks and the results apart.
+inline Error check_layer_rest(const std::string& call, int64_t experts, int64_t num_local_experts,
+                              const AnyBuffer& x, const AnyBuffer* w13, const AnyBuffer* w2,
+                              const AnyBuffer& topk_ids, const AnyBuffer& expert_map, const AnyBuffer& topk_weights,
+                              const AnyBuffer& out, const AnyBuffer& result, const AnyBuffer& d,
+                              const AnyBuffer& src_rows, std::initializer_list<Span> results) {
+  if (experts != num_local_experts)
     return invalid(call, "num_local_experts = " + std::to_string(num_local_experts) + " but the weights have " +
-                             std::to_string(out_call->g.up.w.E) + " experts");
+                             std::to_string(experts) + " experts");
   HJ_RETURN_IF_ERROR(check_finalize_result(call, d, topk_weights, src_rows, out, result));
   return check_no_overlap(
-      call,
-      {span_of("out", result), span_of("d", d), span_of("y", y), span_of("c", c), span_of("sorted_ids", sorted_ids),
-       span_of("block_expert_ids", block_expert_ids), span_of("num_tokens_post_padded", ntpp),
-       span_of("src_rows", src_rows)},
+      call, results,
       {span_of("x", x), span_of("w13", w13[0]), span_of("w13 scale", w13[1]), span_of("w13 zero", w13[2]),
        span_of("w13 scale2", w13[3]), span_of("w13 bias", w13[4]), span_of("w2", w2[0]), span_of("w2 scale", w2[1]),
        span_of("w2 zero", w2[2]), span_of("w2 scale2", w2[3]), span_of("w2 bias", w2[4]),
        span_of("topk_ids", topk_ids), span_of("expert_map", expert_map), span_of("topk_weights", topk_weights)});
+}
+inline Error parse_layer_indexed(const std::string& call, const AnyBuffer& x, const AnyBuffer* w13,
+                                 const AnyBuffer* w2, const AnyBuffer& topk_ids, const AnyBuffer& expert_map,
+                                 const AnyBuffer& topk_weights, const AnyBuffer& out, const WeightAttrs& up,
+                                 const WeightAttrs& down, int64_t num_local_experts, int64_t block_m,
+                                 int64_t identity_map, int64_t activation, const AnyBuffer& result,
+                                 const AnyBuffer& d, const AnyBuffer& y, const AnyBuffer& c,
+                                 const AnyBuffer& sorted_ids, const AnyBuffer& block_expert_ids,
+                                 const AnyBuffer& ntpp, const AnyBuffer& src_rows, LayerIndexedCall* L) {
+  HJ_RETURN_IF_ERROR(parse_layer_routing(call, x, topk_ids, expert_map, num_local_experts, block_m, identity_map, d,
+                                         c, sorted_ids, block_expert_ids, ntpp, src_rows, L));
+  HJ_RETURN_IF_ERROR(parse_experts_indexed(call, x, w13, w2, sorted_ids, block_expert_ids, ntpp, up, down, activation,
+                                           L->s.top_k, block_m, d, y, c, &L->g));
+  return check_layer_rest(call, L->g.up.w.E, num_local_experts, x, w13, w2, topk_ids, expert_map, topk_weights, out,
+                          result, d, src_rows,
+                          {span_of("out", result), span_of("d", d), span_of("y", y), span_of("c", c),
+                           span_of("sorted_ids", sorted_ids), span_of("block_expert_ids", block_expert_ids),
+                           span_of("num_tokens_post_padded", ntpp), span_of("src_rows", src_rows)});
+}
+inline Error parse_layer_indexed_quant(const std::string& call, const AnyBuffer& x, const AnyBuffer* w13,
+                                       const AnyBuffer* w2, const AnyBuffer& topk_ids, const AnyBuffer& expert_map,
+                                       const AnyBuffer& topk_weights, const AnyBuffer& out, const WeightAttrs& up,
+                                       const WeightAttrs& down, int64_t act_group_k, int64_t num_local_experts,
+                                       int64_t block_m, int64_t identity_map, int64_t activation,
+                                       const AnyBuffer& result, const AnyBuffer& d, const AnyBuffer& c,
+                                       const AnyBuffer& q1, const AnyBuffer& q1_scale, const AnyBuffer& q2,
+                                       const AnyBuffer& q2_scale, const AnyBuffer& sorted_ids,
+                                       const AnyBuffer& block_expert_ids, const AnyBuffer& ntpp,
+                                       const AnyBuffer& src_rows, LayerIndexedQuantCall* L) {
+  HJ_RETURN_IF_ERROR(parse_layer_routing(call, x, topk_ids, expert_map, num_local_experts, block_m, identity_map, d,
+                                         c, sorted_ids, block_expert_ids, ntpp, src_rows, L));
+  HJ_RETURN_IF_ERROR(parse_experts_indexed_quant(call, x, w13, w2, sorted_ids, block_expert_ids, ntpp, up, down,
+                                                 act_group_k, activation, L->s.top_k, block_m, d, c, q1, q1_scale, q2,
+                                                 q2_scale, &L->g));
+  return check_layer_rest(call, L->g.up.p.w.E, num_local_experts, x, w13, w2, topk_ids, expert_map, topk_weights,
+                          out, result, d, src_rows,
+                          {span_of("out", result), span_of("d", d), span_of("c", c), span_of("q1", q1),
+                           span_of("q1_scale", q1_scale), span_of("q2", q2), span_of("q2_scale", q2_scale),
+                           span_of("sorted_ids", sorted_ids), span_of("block_expert_ids", block_expert_ids),
+                           span_of("num_tokens_post_padded", ntpp), span_of("src_rows", src_rows)});
 }
 
 // finalize: the result has out's shape and is apart from d, topk_weights and src_rows (it may

@@ -168,8 +168,7 @@ Error ExpertsIndexedQuantCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyB
       WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
       WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
       act_group_k, activation, gather_div, block_m, *d, *c, *q1, *q1_scale, *q2, *q2_scale, &g));
-  gemm_indexed_quant_runs(g.up, x, -1, 0.0f, act_group_k, *q1, *q1_scale);
-  gemm_indexed_quant_runs(g.down, *c, activation, limit, act_group_k, *q2, *q2_scale);
+  experts_indexed_quant_cpu(g, x, *c, act_group_k, activation, limit, *q1, *q1_scale, *q2, *q2_scale);
   return Error::Success();
 }
 
@@ -308,6 +307,13 @@ Error GemmBatchedIntoCpu(AnyBuffer a, AnyBuffer a_scale, AnyBuffer qweight, AnyB
 void experts_indexed_cpu(const ExpertsIndexedCall& g, const AnyBuffer& c, void* y, int64_t activation, float limit) {
   gemm_indexed_gated_runs(g.up, g.up_l, c, y, activation, limit);
   gemm_indexed_runs(g.down, g.down_l);
+}
+
+void experts_indexed_quant_cpu(const ExpertsIndexedQuantCall& g, const AnyBuffer& x, const AnyBuffer& c,
+                               int64_t act_group_k, int64_t activation, float limit, AnyBuffer& q1,
+                               AnyBuffer& q1_scale, AnyBuffer& q2, AnyBuffer& q2_scale) {
+  gemm_indexed_quant_runs(g.up, x, -1, 0.0f, act_group_k, q1, q1_scale);
+  gemm_indexed_quant_runs(g.down, c, activation, limit, act_group_k, q2, q2_scale);
 }
 
 }  // namespace hj

@@ -227,13 +227,8 @@ Error ExpertsIndexedQuantCuda(cudaStream_t stream, AnyBuffer x, AnyBuffer w1, An
       WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
       WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
       act_group_k, activation, gather_div, block_m, *d, *c, *q1, *q1_scale, *q2, *q2_scale, &g));
-  const InputQuant up_q = input_quant(x, g.up, act_group_k, *q1, *q1_scale, -1, 0.0f);
-  HJ_RETURN_IF_ERROR(launch_indexed(call, g.up.p, g.up.l, gather_div, block_m, stream, &up_q));
-  // As in experts_indexed: without a kernel of GEMM1 (and then none of its quantization either),
-  // the kernel before GEMM2's could be the routing's own.
-  const bool up_launched = g.up.l.num_blocks > 0 && g.up.p.N > 0;
-  const InputQuant down_q = input_quant(*c, g.down, act_group_k, *q2, *q2_scale, activation, limit);
-  return launch_indexed(call, g.down.p, g.down.l, 1, block_m, stream, &down_q, nullptr, nullptr, up_launched);
+  return launch_experts_indexed_quant(call, stream, g, x, act_group_k, gather_div, block_m, activation, limit, *c,
+                                      *q1, *q1_scale, *q2, *q2_scale);
 }
 
 // Rows of K 16-bit values in the 4-bit mainloop's k order (rs4_k_order.h) back in their natural
@@ -435,6 +430,19 @@ Error launch_experts_indexed(const std::string& call, cudaStream_t stream, const
   // GEMM2 could be the routing's own, whose results are not final while it runs.
   const bool up_launched = g.up_l.num_blocks > 0 && g.up.N > 0;
   return launch_indexed(call, g.down, g.down_l, 1, block_m, stream, nullptr, nullptr, nullptr, up_launched);
+}
+
+Error launch_experts_indexed_quant(const std::string& call, cudaStream_t stream, const ExpertsIndexedQuantCall& g,
+                                   const AnyBuffer& x, int64_t act_group_k, int64_t gather_div, int64_t block_m,
+                                   int64_t activation, float limit, AnyBuffer& c, AnyBuffer& q1, AnyBuffer& q1_scale,
+                                   AnyBuffer& q2, AnyBuffer& q2_scale) {
+  const InputQuant up_q = input_quant(x, g.up, act_group_k, q1, q1_scale, -1, 0.0f);
+  HJ_RETURN_IF_ERROR(launch_indexed(call, g.up.p, g.up.l, gather_div, block_m, stream, &up_q));
+  // As in experts_indexed: without a kernel of GEMM1 (and then none of its quantization either),
+  // the kernel before GEMM2's could be the routing's own.
+  const bool up_launched = g.up.l.num_blocks > 0 && g.up.p.N > 0;
+  const InputQuant down_q = input_quant(c, g.down, act_group_k, q2, q2_scale, activation, limit);
+  return launch_indexed(call, g.down.p, g.down.l, 1, block_m, stream, &down_q, nullptr, nullptr, up_launched);
 }
 
 }  // namespace hj

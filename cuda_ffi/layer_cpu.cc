@@ -1,5 +1,6 @@
-// CPU handler of layer_indexed: the indexed layer's three calls (routing_indexed, experts_indexed,
-// finalize) as one, through the same steps as those calls' handlers, so the bits are theirs.
+// CPU handlers of layer_indexed and layer_indexed_quant: the indexed layer's three calls
+// (routing_indexed, experts_indexed or experts_indexed_quant, finalize) as one, through the same
+// steps as those calls' handlers, so the bits are theirs.
 #include "ffi_common.h"
 #include "layer_steps_cpu.h"
 
@@ -32,7 +33,36 @@ Error LayerIndexedCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w
   return Error::Success();
 }
 
+Error LayerIndexedQuantCpu(AnyBuffer x, AnyBuffer w1, AnyBuffer w1_scale, AnyBuffer w1_zero, AnyBuffer w1_scale2,
+                           AnyBuffer w1_bias, AnyBuffer w2, AnyBuffer w2_scale, AnyBuffer w2_zero,
+                           AnyBuffer w2_scale2, AnyBuffer w2_bias, AnyBuffer topk_ids, AnyBuffer expert_map,
+                           AnyBuffer topk_weights, AnyBuffer out, Result<AnyBuffer> result, Result<AnyBuffer> d,
+                           Result<AnyBuffer> c, Result<AnyBuffer> q1, Result<AnyBuffer> q1_scale,
+                           Result<AnyBuffer> q2, Result<AnyBuffer> q2_scale, Result<AnyBuffer> sorted_ids,
+                           Result<AnyBuffer> block_expert_ids, Result<AnyBuffer> ntpp, Result<AnyBuffer> src_rows,
+                           int64_t weight_type, int64_t group_n, int64_t group_k, int64_t has_zero,
+                           int64_t has_scale2, int64_t has_bias, int64_t down_weight_type, int64_t down_group_n,
+                           int64_t down_group_k, int64_t down_has_zero, int64_t down_has_scale2,
+                           int64_t down_has_bias, int64_t act_group_k, int64_t num_local_experts, int64_t block_m,
+                           int64_t identity_map, int64_t activation, float limit) {
+  const AnyBuffer up_w[5] = {w1, w1_scale, w1_zero, w1_scale2, w1_bias};
+  const AnyBuffer down_w[5] = {w2, w2_scale, w2_zero, w2_scale2, w2_bias};
+  LayerIndexedQuantCall L;
+  HJ_RETURN_IF_ERROR(parse_layer_indexed_quant(
+      "layer_indexed_quant", x, up_w, down_w, topk_ids, expert_map, topk_weights, out,
+      WeightAttrs{weight_type, group_n, group_k, has_zero, has_scale2, has_bias},
+      WeightAttrs{down_weight_type, down_group_n, down_group_k, down_has_zero, down_has_scale2, down_has_bias},
+      act_group_k, num_local_experts, block_m, identity_map, activation, *result, *d, *c, *q1, *q1_scale, *q2,
+      *q2_scale, *sorted_ids, *block_expert_ids, *ntpp, *src_rows, &L));
+  routing_indexed_cpu(L.s, topk_ids, expert_map, block_m, L.padded_rows, *sorted_ids, *block_expert_ids, *ntpp,
+                      *src_rows);
+  experts_indexed_quant_cpu(L.g, x, *c, act_group_k, activation, limit, *q1, *q1_scale, *q2, *q2_scale);
+  finalize_cpu(*d, topk_weights, *src_rows, *result);
+  return Error::Success();
+}
+
 }  // namespace
 }  // namespace hj
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HjLayerIndexedCpu, hj::LayerIndexedCpu, hj::bind_layer_indexed<void>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HjLayerIndexedQuantCpu, hj::LayerIndexedQuantCpu, hj::bind_layer_indexed_quant<void>());

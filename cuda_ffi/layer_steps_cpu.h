@@ -17,6 +17,12 @@ void routing_indexed_cpu(const RoutingShape& s, const AnyBuffer& topk_ids, const
 // experts_indexed's: GEMM1 with its gated activation into y (c its rows before it), then GEMM2.
 void experts_indexed_cpu(const ExpertsIndexedCall& g, const AnyBuffer& c, void* y, int64_t activation, float limit);
 
+// experts_indexed_quant's: GEMM1 quantizing x (q1 / q1_scale) into c, then GEMM2 quantizing
+// activation(c) (q2 / q2_scale) into g.down's c.
+void experts_indexed_quant_cpu(const ExpertsIndexedQuantCall& g, const AnyBuffer& x, const AnyBuffer& c,
+                               int64_t act_group_k, int64_t activation, float limit, AnyBuffer& q1,
+                               AnyBuffer& q1_scale, AnyBuffer& q2, AnyBuffer& q2_scale);
+
 // finalize's: result[t] = sum_j topk_weights[t, j] * d[src_rows[t, j]].
 void finalize_cpu(const AnyBuffer& d, const AnyBuffer& topk_weights, const AnyBuffer& src_rows, AnyBuffer& result);
 

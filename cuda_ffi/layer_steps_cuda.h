@@ -26,6 +26,13 @@ Error launch_experts_indexed(const std::string& call, cudaStream_t stream, const
                              int64_t gather_div, int64_t block_m, int64_t activation, float limit, AnyBuffer& y,
                              AnyBuffer& c);
 
+// experts_indexed_quant's kernels: GEMM1 quantizing x (q1 / q1_scale) into c, then GEMM2
+// quantizing activation(c) (q2 / q2_scale) into g.down's c, launched dependent on the kernel before it.
+Error launch_experts_indexed_quant(const std::string& call, cudaStream_t stream, const ExpertsIndexedQuantCall& g,
+                                   const AnyBuffer& x, int64_t act_group_k, int64_t gather_div, int64_t block_m,
+                                   int64_t activation, float limit, AnyBuffer& c, AnyBuffer& q1, AnyBuffer& q1_scale,
+                                   AnyBuffer& q2, AnyBuffer& q2_scale);
+
 // finalize's kernel: result[t] = sum_j topk_weights[t, j] * d[src_rows[t, j]].
 Error launch_finalize_rows(const std::string& call, cudaStream_t stream, const AnyBuffer& d,
                            const AnyBuffer& topk_weights, const AnyBuffer& src_rows, AnyBuffer& result);

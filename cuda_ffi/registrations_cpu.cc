@@ -26,6 +26,7 @@ XLA_FFI_Error* HjQuantizeCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjQuantizePermutedCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjFinalizeCpu(XLA_FFI_CallFrame*);
 XLA_FFI_Error* HjLayerIndexedCpu(XLA_FFI_CallFrame*);
+XLA_FFI_Error* HjLayerIndexedQuantCpu(XLA_FFI_CallFrame*);
 }
 
 namespace {
@@ -57,6 +58,7 @@ NB_MODULE(_humming_jax_cpu, m) {
     d["quantize_permuted"] = encapsulate(HjQuantizePermutedCpu);
     d["finalize"] = encapsulate(HjFinalizeCpu);
     d["layer_indexed"] = encapsulate(HjLayerIndexedCpu);
+    d["layer_indexed_quant"] = encapsulate(HjLayerIndexedQuantCpu);
     return d;
   });
 }

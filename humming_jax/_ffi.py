@@ -40,6 +40,7 @@ CALLS = (
     "quantize_permuted",
     "finalize",
     "layer_indexed",
+    "layer_indexed_quant",
 )
 
 _state: dict[str, Any] = {"cpu": None, "cuda": None, "cuda_error": None, "cuda_path": None, "cuda_missing": []}

@@ -270,12 +270,14 @@ def fused_activation() -> int:
 
 
 def fused_layer() -> bool:
-    """Whether the indexed class runs the whole layer as one call (``layer_indexed``: routing, the
-    two GEMMs and finalize) where its GEMMs would be one ``experts_indexed`` call. Read at trace
-    time from ``HUMMING_JAX_FUSED_LAYER`` (``0``: routing, experts and finalize as three calls, for
-    A/B timing); the values are the same either way. A CUDA library named by
-    ``$HUMMING_JAX_CUDA_LIB`` that predates ``layer_indexed`` keeps the three calls."""
-    return os.environ.get("HUMMING_JAX_FUSED_LAYER", "1") != "0" and _ffi.call_available("layer_indexed")
+    """Whether the indexed class runs the whole layer as one call (``layer_indexed`` /
+    ``layer_indexed_quant``: routing, the two GEMMs and finalize) where its GEMMs would be one
+    ``experts_indexed`` / ``experts_indexed_quant`` call. Read at trace time from
+    ``HUMMING_JAX_FUSED_LAYER`` (``0``: routing, experts and finalize as three calls, for A/B
+    timing); the values are the same either way. A CUDA library named by ``$HUMMING_JAX_CUDA_LIB``
+    that predates these calls keeps the three calls."""
+    return (os.environ.get("HUMMING_JAX_FUSED_LAYER", "1") != "0" and _ffi.call_available("layer_indexed")
+            and _ffi.call_available("layer_indexed_quant"))
 
 
 def fused_experts(call: str = "experts_indexed") -> bool:
@@ -295,16 +297,20 @@ class IndexedExperts(_StandardExperts):
     gemm_type = "indexed"
 
     def _layer(self, out, x, weights, topk_weights, ids, emap, activation, limit):
-        # Where the two GEMMs would be one experts_indexed call, routing and finalize join them.
-        if act_quant_params(weights.act_key) is not None or not fused_layer():
-            return None
-        if not (get_activation(activation, limit)[0].gated and fused_activation() >= 1 and fused_experts()):
+        # Where the two GEMMs would be one experts_indexed(_quant) call, routing and finalize join them.
+        if not fused_layer():
             return None
         m, k = ids.shape
-        return layer_ops.layer_indexed(
-            x, weights.w13, weights.b13, weights.w2, weights.b2, ids, emap, topk_weights, out,
-            block_m=indexed_block_m(m * k, weights.num_experts), activation=activation, limit=limit,
-        )
+        common = dict(block_m=indexed_block_m(m * k, weights.num_experts), activation=activation, limit=limit)
+        ops = (x, weights.w13, weights.b13, weights.w2, weights.b2, ids, emap, topk_weights, out)
+        quant = act_quant_params(weights.act_key)
+        if quant is not None:
+            if not (fused_input_quant() and fused_experts("experts_indexed_quant")):
+                return None
+            return layer_ops.layer_indexed_quant(*ops, quant=quant[0], act_group_k=quant[1], **common)
+        if not (get_activation(activation, limit)[0].gated and fused_activation() >= 1 and fused_experts()):
+            return None
+        return layer_ops.layer_indexed(*ops, **common)
 
     def _experts(self, x, weights, ids, emap, activation, limit):
         m, k = ids.shape

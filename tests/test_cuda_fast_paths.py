@@ -1531,6 +1531,56 @@ def test_decode_experts_indexed_quant_matches_two_calls_and_cpu(rng, monkeypatch
     assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
 
 
+@requires_decode
+@pytest.mark.parametrize("scheme", ["w8a8-fp8-block128", "w8a8-int8-channel"])
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu_no_mul", None)])
+@pytest.mark.parametrize("variant", ["default", "decode-unfused", "ring"])
+@pytest.mark.parametrize("m,k,e,h,i", [(1, 8, 128, 512, 256), (16, 4, 8, 256, 384)])
+def test_decode_layer_indexed_quant_matches_three_calls_and_cpu(rng, monkeypatch, scheme, activation, limit, variant,
+                                                                m, k, e, h, i):
+    """layer_indexed_quant on the GPU (the routing kernel, experts_indexed_quant's kernels, the
+    finalize kernel in one call) with the bits of routing_indexed, experts_indexed_quant and
+    finalize as calls of their own into a NaN-poisoned out, an expert map with remote experts, and
+    close to the CPU's values."""
+    from humming_jax.ops import finalize as fin_ops
+    from humming_jax.ops import layer as layer_ops
+
+    if variant == "ring" and scheme != "w8a8-fp8-block128":
+        pytest.skip("the ring kernel runs fp8 weights and activations")
+    for name, value in _FUSED_QUANT_ENV[variant].items():
+        monkeypatch.setenv(name, value)
+    dtype = SCHEMES[scheme].default_dtype
+    gated = get_activation(activation, limit)[0].gated
+    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
+    w2 = _decode_weights(rng, scheme, dtype, e, h, i if gated else 2 * i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    ids, emap = _decode_routing(rng, m, k, e)
+    tw = jnp.asarray(rng.random((m, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, h)), dtype)
+    quant, group = act_quant_params(SCHEMES[scheme].act_key)
+    bm = indexed_block_m(m * k, e)
+
+    def fn(x, ids, emap, tw, w13, b13, w2):
+        one = layer_ops.layer_indexed_quant(x, w13, b13, w2, None, ids, emap, tw, nan_out(x.shape, x.dtype),
+                                            block_m=bm, quant=quant, act_group_k=group, activation=activation,
+                                            limit=limit)
+        r = routing_ops.routing_indexed(ids, emap, e, bm)
+        d = gemm_ops.experts_indexed_quant(x, w13, b13, w2, None, r, rows=m * k, gather_div=k, block_m=bm,
+                                           out_dtype=dtype, quant=quant, act_group_k=group, activation=activation,
+                                           limit=limit)
+        three = fin_ops.finalize(d, tw, r.src_rows, nan_out(x.shape, x.dtype))
+        return dict(one=one, three=three)
+
+    ops = (x, ids, emap, tw, w13, b13, w2)
+    what = f"{scheme} {activation} {variant} M={m} E={e} H={h} I={i}"
+    got = _run_on(GPU, fn, ops)
+    assert np.all(np.isfinite(got["one"])) and np.any(got["one"] != 0.0), what
+    np.testing.assert_array_equal(got["one"], got["three"], err_msg=f"{what}: one call != three calls")
+    want = _run_on(CPU, fn, ops)
+    np.testing.assert_array_equal(want["one"], want["three"], err_msg=f"{what}: CPU one call != three calls")
+    _assert_close(got["one"], want["one"], dtype, f"{what}: GPU against CPU")
+
+
 def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
     """Weights with a chosen scale dtype and group size (the float32 dequantization path)."""
     return random_packed_weight(rng, wtype, e, n, kdim, group_k, scale_dtype=scale_dtype, fp8_std=2.0, **kw)

@@ -1,8 +1,9 @@
 """layer_indexed: the indexed layer (16-bit activations, a gated activation) as one call, routing,
 both GEMMs and finalize, gives the bits of its three calls (routing_indexed, experts_indexed,
 finalize) on whichever backend runs the tests, with and without an expert map, and agrees with the
-float64 oracle; the layer takes it by default; bad input is refused before anything runs. (Its GPU
-launch order has its own test in test_cuda_fast_paths.py.)"""
+float64 oracle; layer_indexed_quant the same for 8-bit activations (experts_indexed_quant, any
+activation); the layer takes them by default; bad input is refused before anything runs. (Their
+GPU launch order has its own tests in test_cuda_fast_paths.py.)"""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from conftest import layer_tolerance, nan_out, random_layer, reference, run_stan
 from humming_jax import testing
 from humming_jax.experts import IndexedExperts
 from humming_jax.ops import layer as layer_ops
-from humming_jax.quantize import SCHEMES
-from humming_jax.reference import relative_error
+from humming_jax.quantize import SCHEMES, act_quant_params
+from humming_jax.reference import InputQuant, relative_error
 
 
 def _both(monkeypatch, layer, **kw):
@@ -36,13 +37,30 @@ def _both(monkeypatch, layer, **kw):
 @pytest.mark.parametrize("m", [1, 13])
 def test_layer_indexed_equals_the_three_calls_and_the_oracle(rng, monkeypatch, scheme, activation, m):
     layer = random_layer(rng, m=m, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, bias=True,
-                         pad_frac=0.2)
+                         pad_frac=0.2 if m > 1 else 0.0)  # one token: keep its entries (not all padding)
     kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
     one, three = _both(monkeypatch, layer, **kw)
     assert np.all(np.isfinite(one)) and np.any(one != 0.0)
     np.testing.assert_array_equal(one, three)
     want = reference(layer, b13=layer.weights.b13, b2=layer.weights.b2, **kw)
     assert relative_error(one, want) <= layer_tolerance(layer.x.dtype, None)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-fp8-block128", "w8a8-fp8-channel", "w8a8-int8-channel"])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai", "gelu_no_mul"])
+@pytest.mark.parametrize("m", [1, 13])
+def test_layer_indexed_quant_equals_the_three_calls_and_the_oracle(rng, monkeypatch, scheme, activation, m):
+    """8-bit activations: layer_indexed_quant against routing_indexed, experts_indexed_quant and
+    finalize, and against the oracle that quantizes the activations as the scheme does."""
+    layer = random_layer(rng, m=m, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, bias=True,
+                         pad_frac=0.2 if m > 1 else 0.0)  # one token: keep its entries (not all padding)
+    kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
+    one, three = _both(monkeypatch, layer, **kw)
+    assert np.all(np.isfinite(one)) and np.any(one != 0.0)
+    np.testing.assert_array_equal(one, three)
+    quant = act_quant_params(SCHEMES[scheme].act_key)
+    want = reference(layer, b13=layer.weights.b13, b2=layer.weights.b2, input_quant=InputQuant(*quant), **kw)
+    assert relative_error(one, want) <= layer_tolerance(layer.x.dtype, quant)
 
 
 def test_layer_indexed_with_an_expert_map(rng, monkeypatch):
@@ -73,7 +91,9 @@ def _calls(layer, scheme_activation="silu") -> set[str]:
 def test_indexed_layer_graph_has_one_call_unless_switched_off(rng, monkeypatch):
     """16-bit activations, a gated activation: layer_indexed alone by default; routing_indexed,
     experts_indexed and finalize with HUMMING_JAX_FUSED_LAYER=0 or HUMMING_JAX_FUSED_EXPERTS=0 (then
-    the two GEMM calls); 8-bit activations and plain activations keep their own calls."""
+    the two GEMM calls). 8-bit activations: layer_indexed_quant alone, or the three calls with
+    HUMMING_JAX_FUSED_LAYER=0, or neither one-call form with HUMMING_JAX_FUSED_INPUT_QUANT=0. A plain
+    activation with 16-bit activations keeps its own calls."""
     layer = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w4a16-int4-g128")
     for var in ("HUMMING_JAX_FUSED_LAYER", "HUMMING_JAX_FUSED_EXPERTS", "HUMMING_JAX_FUSED_ACTIVATION"):
         monkeypatch.delenv(var, raising=False)
@@ -85,9 +105,16 @@ def test_indexed_layer_graph_has_one_call_unless_switched_off(rng, monkeypatch):
     assert "humming_jax.layer_indexed" not in _calls(layer)
     monkeypatch.delenv("HUMMING_JAX_FUSED_EXPERTS")
     quant = random_layer(rng, m=5, e=4, h=128, i=128, k=2, scheme="w8a8-fp8-block128")
-    assert "humming_jax.layer_indexed" not in _calls(quant)
+    assert _calls(quant) == {"humming_jax.layer_indexed_quant"}
+    monkeypatch.setenv("HUMMING_JAX_FUSED_LAYER", "0")
+    assert _calls(quant) == {"humming_jax.routing_indexed", "humming_jax.experts_indexed_quant",
+                             "humming_jax.finalize"}
+    monkeypatch.delenv("HUMMING_JAX_FUSED_LAYER")
+    monkeypatch.setenv("HUMMING_JAX_FUSED_INPUT_QUANT", "0")
+    assert not {"humming_jax.layer_indexed", "humming_jax.layer_indexed_quant"} & _calls(quant)
+    monkeypatch.delenv("HUMMING_JAX_FUSED_INPUT_QUANT")
     plain = random_layer(rng, m=5, e=4, h=128, i=128, k=2, activation="gelu_no_mul", scheme="bf16")
-    assert "humming_jax.layer_indexed" not in _calls(plain, "gelu_no_mul")
+    assert not {"humming_jax.layer_indexed", "humming_jax.layer_indexed_quant"} & _calls(plain, "gelu_no_mul")
 
 
 def test_layer_indexed_result_aliases_out_under_donation(rng):
@@ -134,3 +161,12 @@ def test_layer_indexed_rejects_bad_input(rng):
         run(x, w13, None, w2, None, ids, None, tw.astype(jnp.bfloat16), out)
     with pytest.raises(Exception, match="out must have the dtype of d"):
         run(x, w13, None, w2, None, ids, None, tw, out.astype(jnp.float16))
+    q8 = SCHEMES["w8a8-fp8-block128"].quantize
+    w13q = q8(rng.standard_normal((e, 2 * i, h)).astype(np.float32), jnp.bfloat16)
+    w2q = q8(rng.standard_normal((e, h, 2 * i)).astype(np.float32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="w2 must have K"):
+        layer_ops.layer_indexed_quant(x, w13q, None, w2q, None, ids, None, tw, out, block_m=4, quant="fp8",
+                                      act_group_k=128, activation="silu")
+    with pytest.raises(ValueError, match="unknown activation quantization"):
+        layer_ops.layer_indexed_quant(x, w13q, None, w2q, None, ids, None, tw, out, block_m=4, quant="fp4",
+                                      act_group_k=128, activation="gelu_no_mul")

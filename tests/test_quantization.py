@@ -248,12 +248,13 @@ def test_workspace_rule_paths_run_clean(rng, path, cls):
     calls = _custom_calls(hlo)
     aliased = [c for c in calls if "output_operand_alias" in c]
     assert len(aliased) == 1, f"exactly one call (the last) may alias; got {aliased}"
-    assert re.search(r"@humming_jax\.(finalize|gemm_batched_into|layer_indexed)\(", aliased[0])
+    assert re.search(r"@humming_jax\.(finalize|gemm_batched_into|layer_indexed|layer_indexed_quant)\(", aliased[0])
     assert aliased[0] is calls[-1]
     # The activation and quantization in one call: activation_quant, or (the indexed class) GEMM2's
-    # gemm_indexed_quant, or the two GEMMs' experts_indexed_quant, with an activation.
+    # gemm_indexed_quant, or the two GEMMs' experts_indexed_quant (or the whole layer's
+    # layer_indexed_quant), with an activation.
     fused = any("@humming_jax.activation_quant(" in c or (
-        re.search(r"@humming_jax\.(gemm|experts)_indexed_quant\(", c) and re.search(r"activation = \d+ : i64", c))
+        re.search(r"@humming_jax\.(gemm|experts|layer)_indexed_quant\(", c) and re.search(r"activation = \d+ : i64", c))
         for c in calls)
     assert fused == (path == "fused activation+quant")
     got = jitted(nan_out(x.shape, x.dtype), *args)

@@ -1,5 +1,5 @@
-"""The whole indexed layer as one custom call (``layer_indexed``): routing, both GEMMs and the
-finalize step into the caller's ``out``."""
+"""The whole indexed layer as one custom call (``layer_indexed``, ``layer_indexed_quant`` for 8-bit
+activations): routing, both GEMMs and the finalize step into the caller's ``out``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from .. import _ffi
 from ..weights import PackedWeight
-from .gemm import _gated_activation, experts_weight_operands
+from .activation import _quant_shapes
+from .gemm import _activated_columns, _gated_activation, experts_weight_operands
 from .routing import _map_operand, indexed_padded_rows
 
 
@@ -40,17 +41,81 @@ def layer_indexed(
     if w2.k != w13.n // 2:
         raise ValueError(f"w2 must have K = {w13.n // 2} (half of w13's rows), got {w2.k}")
     m, k = topk_ids.shape
-    e = w13.data.shape[0]
     rows = m * k
-    p = indexed_padded_rows(rows, e, block_m)
-    map_operand, identity = _map_operand(topk_ids, expert_map)
-    weights, weight_attrs = experts_weight_operands(w13, b13, w2, b2)
-    i32, dt = jnp.int32, x.dtype
-    results: Any = (
-        jax.ShapeDtypeStruct(out.shape, out.dtype),
+    dt = x.dtype
+    results = (
         jax.ShapeDtypeStruct((rows, w2.n), dt),
         jax.ShapeDtypeStruct((rows, w13.n // 2), dt),
         jax.ShapeDtypeStruct((rows, w13.n), dt),
+    )
+    return _call_layer("layer_indexed", results, x, w13, b13, w2, b2, topk_ids, expert_map, topk_weights, out,
+                       block_m=block_m, activation=code, limit=lim)
+
+
+def layer_indexed_quant(
+    x: jax.Array,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    topk_ids: jax.Array,
+    expert_map: jax.Array | None,
+    topk_weights: jax.Array,
+    out: jax.Array,
+    *,
+    block_m: int,
+    quant: str,
+    act_group_k: int,
+    activation: str,
+    limit: float | None = None,
+) -> jax.Array:
+    """``layer_indexed`` for 8-bit activations: ``finalize(experts_indexed_quant(x, routing, ...),
+    ...)`` in one call, any activation (gated or not), the same values as the three calls bit for
+    bit. The result aliases ``out``; the routing arrays, the GEMMs' rows and the quantized
+    activations are the call's own scratch results."""
+    m, k = topk_ids.shape
+    rows = m * k
+    dt = x.dtype
+    act_code, lim, cols = _activated_columns(jax.ShapeDtypeStruct((rows, w13.n), dt), activation, limit)
+    if w2.k != cols:
+        raise ValueError(f"w2 must have K = {cols} (w13's rows after {activation!r}), got {w2.k}")
+    results = (
+        jax.ShapeDtypeStruct((rows, w2.n), dt),
+        jax.ShapeDtypeStruct((rows, w13.n), dt),
+        *_quant_shapes(m, x.shape[1], quant, act_group_k),
+        *_quant_shapes(rows, cols, quant, act_group_k),
+    )
+    return _call_layer("layer_indexed_quant", results, x, w13, b13, w2, b2, topk_ids, expert_map, topk_weights, out,
+                       block_m=block_m, act_group_k=act_group_k, activation=act_code, limit=lim)
+
+
+def _call_layer(
+    name: str,
+    experts_results: tuple,
+    x: jax.Array,
+    w13: PackedWeight,
+    b13: jax.Array | None,
+    w2: PackedWeight,
+    b2: jax.Array | None,
+    topk_ids: jax.Array,
+    expert_map: jax.Array | None,
+    topk_weights: jax.Array,
+    out: jax.Array,
+    *,
+    block_m: int,
+    **attrs: Any,
+) -> jax.Array:
+    """A layer_* call: x, the weights, topk_ids, the map (or its stand-in), topk_weights and out
+    (aliased to result 0); results out, the experts call's results, then the routing's four."""
+    m, k = topk_ids.shape
+    e = w13.data.shape[0]
+    p = indexed_padded_rows(m * k, e, block_m)
+    map_operand, identity = _map_operand(topk_ids, expert_map)
+    weights, weight_attrs = experts_weight_operands(w13, b13, w2, b2)
+    i32 = jnp.int32
+    results: Any = (
+        jax.ShapeDtypeStruct(out.shape, out.dtype),
+        *experts_results,
         jax.ShapeDtypeStruct((p,), i32),
         jax.ShapeDtypeStruct((p // block_m,), i32),
         jax.ShapeDtypeStruct((1,), i32),
@@ -58,7 +123,7 @@ def layer_indexed(
     )
     operands = (x, *weights, topk_ids, map_operand, topk_weights, out)
     res = _ffi.call(
-        "layer_indexed",
+        name,
         results,
         *operands,
         aliases={len(operands) - 1: 0},
@@ -66,7 +131,6 @@ def layer_indexed(
         num_local_experts=e,
         block_m=block_m,
         identity_map=identity,
-        activation=code,
-        limit=lim,
+        **attrs,
     )
     return res[0]

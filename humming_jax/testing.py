@@ -310,7 +310,7 @@ def experts_indexed_quant_forms(
     ``experts_indexed_quant`` (one call) and two ``gemm_indexed_quant`` calls. Rows span 1.5
     decades of magnitude either way (GEMM1's products stay inside float16's range), so the
     per-group scales differ row to row. Returns (fn, operands); fn(x, ids, w13, b13, w2, b2) gives
-    a dict for assert_fused_equals_two: fused, two, src."""
+    a dict for assert_fused_equals_two: fused, two, src, and c (GEMM1's rows of the two calls)."""
     e = w13.num_experts
     m, k = ids.shape
     x = _token_rows(rng, m, w13.k, 1.5, dtype, tiny=0.02)
@@ -323,6 +323,6 @@ def experts_indexed_quant_forms(
                                                limit=limit, **common)
         c = gemm_ops.gemm_indexed_quant(x, w13, b13, r, gather_div=k, **common)
         two = gemm_ops.gemm_indexed_quant(c, w2, b2, r, gather_div=1, activation=activation, limit=limit, **common)
-        return dict(fused=fused, two=two, src=r.src_rows)
+        return dict(fused=fused, two=two, src=r.src_rows, c=c)
 
     return fn, (x, ids, w13, b13, w2, b2)

@@ -144,3 +144,29 @@ def reference(layer: Layer, **kw: Any) -> jax.Array:
     from humming_jax.reference import moe_reference
 
     return moe_reference(layer.x, layer.w13, layer.w2, layer.topk_weights, layer.topk_ids, **kw)
+
+
+def _param_name(hlo: str, index: int) -> str:
+    m = re.search(rf"%(\S+) = \S+ parameter\({index}\)", hlo)
+    assert m, f"parameter({index}) not found"
+    return m.group(1)
+
+
+def assert_out_written_in_place(hlo: str, index: int) -> None:
+    """In the compiled module's entry computation: no copy instruction reads parameter `index`, and
+    the last humming_jax custom call writes into it: the root is that call, or (a call with several
+    results: layer_indexed) its aliased tuple element."""
+    lines = hlo.splitlines()
+    lines = lines[next(i for i, l in enumerate(lines) if l.startswith("ENTRY")):]
+    name = _param_name("\n".join(lines), index)
+    copies = [l for l in lines if re.search(rf"\bcopy(-start)?\(.*%{re.escape(name)}\b", l)]
+    assert not copies, f"the compiled HLO copies out: {copies}"
+    calls = [l for l in lines if "custom-call(" in l and "humming_jax." in l]
+    assert calls, "no humming_jax custom call"
+    last = calls[-1]
+    assert f"%{name})" in last or f"%{name}," in last, f"out is not an operand of the last call: {last}"
+    assert "output_to_operand_aliasing" in last
+    call_name = re.match(r"\s*(?:ROOT )?%(\S+) =", last).group(1)
+    root = [l for l in lines if l.strip().startswith("ROOT")][-1]
+    assert root.strip().startswith(f"ROOT %{call_name} =") or re.search(
+        rf"get-tuple-element\(.*%{re.escape(call_name)}\), index=0", root), f"the root is not the call's result: {root}"

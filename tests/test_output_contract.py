@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import nan_out, random_layer, random_weights
+from conftest import assert_out_written_in_place, nan_out, random_layer, random_weights
 
 import humming_jax as hj
 from humming_jax.experts import BatchedExperts, GroupedExperts, IndexedExperts
@@ -24,31 +23,6 @@ def _batched_fn(out, x, w, counts):
     return BatchedExperts().apply(out, x, w, None, None, expert_num_tokens=counts)
 
 
-def _param_name(hlo: str, index: int) -> str:
-    m = re.search(rf"%(\S+) = \S+ parameter\({index}\)", hlo)
-    assert m, f"parameter({index}) not found"
-    return m.group(1)
-
-
-def _assert_no_copy_of(hlo: str, index: int) -> None:
-    """No copy instruction reads entry parameter `index`, and the last custom call writes into it:
-    the entry's root is that call, or (a call with several results: layer_indexed) its aliased
-    tuple element."""
-    name = _param_name(hlo, index)
-    lines = hlo.splitlines()
-    copies = [l for l in lines if re.search(rf"\bcopy(-start)?\(.*%{re.escape(name)}\b", l)]
-    assert not copies, f"the compiled HLO copies out: {copies}"
-    calls = [l for l in lines if "custom-call(" in l and "humming_jax." in l]
-    assert calls, "no humming_jax custom call"
-    last = calls[-1]
-    assert f"%{name})" in last or f"%{name}," in last, f"out is not an operand of the last call: {last}"
-    assert "output_to_operand_aliasing" in last
-    call_name = re.match(r"\s*(?:ROOT )?%(\S+) =", last).group(1)
-    root = [l for l in lines if l.strip().startswith("ROOT")][-1]
-    assert root.strip().startswith(f"ROOT %{call_name} =") or re.search(
-        rf"get-tuple-element\(.*%{re.escape(call_name)}\), index=0", root), f"the root is not the call's result: {root}"
-
-
 def _layer_args(layer):
     return (layer.x, layer.weights, layer.topk_weights, layer.topk_ids)
 
@@ -59,7 +33,7 @@ def test_donated_out_is_written_in_place(rng, cls):
     f = jax.jit(_standard_fn(cls), donate_argnums=0)
     out = nan_out(layer.x.shape, layer.x.dtype)
     hlo = f.lower(out, *_layer_args(layer)).compile().as_text()
-    _assert_no_copy_of(hlo, 0)
+    assert_out_written_in_place(hlo, 0)
     ptr = out.unsafe_buffer_pointer()
     y = f(out, *_layer_args(layer))
     assert y.unsafe_buffer_pointer() == ptr
@@ -74,7 +48,7 @@ def test_donated_out_batched(rng):
     f = jax.jit(_batched_fn, donate_argnums=0)
     out = nan_out(x.shape, x.dtype)
     hlo = f.lower(out, x, weights, counts).compile().as_text()
-    _assert_no_copy_of(hlo, 0)
+    assert_out_written_in_place(hlo, 0)
     ptr = out.unsafe_buffer_pointer()
     y = f(out, x, weights, counts)
     assert y.unsafe_buffer_pointer() == ptr

@@ -559,17 +559,35 @@ auto bind_gemm_indexed_gated() {
       .template Attr<int64_t>("down_group_k").template Attr<int64_t>("down_has_zero")            \
       .template Attr<int64_t>("down_has_scale2").template Attr<int64_t>("down_has_bias")
 
+// The results of experts_indexed; layer_indexed returns them after out.
+#define HJ_EXPERTS_INDEXED_RESULTS                                                               \
+  .template Ret<AnyBuffer>()                  /* d [M * top_k, H] */                             \
+      .template Ret<AnyBuffer>()              /* y [M * top_k, I] */                             \
+      .template Ret<AnyBuffer>()              /* c [M * top_k, 2 I] */
+
+// The results of experts_indexed_quant; layer_indexed_quant returns them after out.
+#define HJ_EXPERTS_INDEXED_QUANT_RESULTS                                                         \
+  .template Ret<AnyBuffer>()                  /* d [M * top_k, H] */                             \
+      .template Ret<AnyBuffer>()              /* c [M * top_k, N1] */                            \
+      .template Ret<AnyBuffer>()              /* q1 [M, H] */                                    \
+      .template Ret<AnyBuffer>()              /* q1_scale [M, groups] f32 */                     \
+      .template Ret<AnyBuffer>()              /* q2 [M * top_k, I] */                            \
+      .template Ret<AnyBuffer>()              /* q2_scale [M * top_k, groups] f32 */
+
+// The results of routing_indexed; the layer_* calls return them last.
+#define HJ_ROUTING_INDEXED_RESULTS                                                               \
+  .template Ret<AnyBuffer>()                  /* sorted_ids [P] */                               \
+      .template Ret<AnyBuffer>()              /* block_expert_ids [P / block_m] */               \
+      .template Ret<AnyBuffer>()              /* num_tokens_post_padded [1] */                   \
+      .template Ret<AnyBuffer>()              /* src_rows [M, top_k] */
+
 // experts_indexed(x, w13..., w2..., sorted_ids, block_expert_ids, num_tokens_post_padded)
 //   -> d, y, c: the indexed layer's two GEMMs with a gated activation between them in one call,
 //   y = gemm_indexed_gated(x, w13) [M * top_k, I] and d = gemm_indexed(y, w2) [M * top_k, H]
 //   (c as in gemm_indexed_gated); 16-bit activations.
 template <typename PlatformCtx>
 auto bind_experts_indexed() {
-  return bind_base<PlatformCtx>() HJ_EXPERTS_OPERANDS
-      .template Ret<AnyBuffer>()  // d [M * top_k, H]
-      .template Ret<AnyBuffer>()  // y [M * top_k, I]
-      .template Ret<AnyBuffer>()  // c [M * top_k, 2 I]
-      HJ_EXPERTS_WEIGHT_ATTRS
+  return bind_base<PlatformCtx>() HJ_EXPERTS_OPERANDS HJ_EXPERTS_INDEXED_RESULTS HJ_EXPERTS_WEIGHT_ATTRS
       .template Attr<int64_t>("gather_div")
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("activation")
@@ -584,14 +602,7 @@ auto bind_experts_indexed() {
 //   act_group_k (0: per row); activation is any (-1: none, then N1 = I).
 template <typename PlatformCtx>
 auto bind_experts_indexed_quant() {
-  return bind_base<PlatformCtx>() HJ_EXPERTS_OPERANDS
-      .template Ret<AnyBuffer>()  // d [M * top_k, H]
-      .template Ret<AnyBuffer>()  // c [M * top_k, N1]
-      .template Ret<AnyBuffer>()  // q1 [M, H]
-      .template Ret<AnyBuffer>()  // q1_scale [M, groups] f32
-      .template Ret<AnyBuffer>()  // q2 [M * top_k, I]
-      .template Ret<AnyBuffer>()  // q2_scale [M * top_k, groups] f32
-      HJ_EXPERTS_WEIGHT_ATTRS
+  return bind_base<PlatformCtx>() HJ_EXPERTS_OPERANDS HJ_EXPERTS_INDEXED_QUANT_RESULTS HJ_EXPERTS_WEIGHT_ATTRS
       .template Attr<int64_t>("act_group_k")
       .template Attr<int64_t>("gather_div")
       .template Attr<int64_t>("block_m")
@@ -618,14 +629,7 @@ template <typename PlatformCtx>
 auto bind_layer_indexed() {
   return bind_base<PlatformCtx>() HJ_LAYER_OPERANDS
       .template Ret<AnyBuffer>()  // out
-      .template Ret<AnyBuffer>()  // d [M * top_k, H]
-      .template Ret<AnyBuffer>()  // y [M * top_k, I]
-      .template Ret<AnyBuffer>()  // c [M * top_k, 2 I]
-      .template Ret<AnyBuffer>()  // sorted_ids [P]
-      .template Ret<AnyBuffer>()  // block_expert_ids [P / block_m]
-      .template Ret<AnyBuffer>()  // num_tokens_post_padded [1]
-      .template Ret<AnyBuffer>()  // src_rows [M, top_k]
-      HJ_EXPERTS_WEIGHT_ATTRS
+      HJ_EXPERTS_INDEXED_RESULTS HJ_ROUTING_INDEXED_RESULTS HJ_EXPERTS_WEIGHT_ATTRS
       .template Attr<int64_t>("num_local_experts")
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("identity_map")
@@ -641,17 +645,7 @@ template <typename PlatformCtx>
 auto bind_layer_indexed_quant() {
   return bind_base<PlatformCtx>() HJ_LAYER_OPERANDS
       .template Ret<AnyBuffer>()  // out
-      .template Ret<AnyBuffer>()  // d [M * top_k, H]
-      .template Ret<AnyBuffer>()  // c [M * top_k, N1]
-      .template Ret<AnyBuffer>()  // q1 [M, H]
-      .template Ret<AnyBuffer>()  // q1_scale [M, groups] f32
-      .template Ret<AnyBuffer>()  // q2 [M * top_k, I]
-      .template Ret<AnyBuffer>()  // q2_scale [M * top_k, groups] f32
-      .template Ret<AnyBuffer>()  // sorted_ids [P]
-      .template Ret<AnyBuffer>()  // block_expert_ids [P / block_m]
-      .template Ret<AnyBuffer>()  // num_tokens_post_padded [1]
-      .template Ret<AnyBuffer>()  // src_rows [M, top_k]
-      HJ_EXPERTS_WEIGHT_ATTRS
+      HJ_EXPERTS_INDEXED_QUANT_RESULTS HJ_ROUTING_INDEXED_RESULTS HJ_EXPERTS_WEIGHT_ATTRS
       .template Attr<int64_t>("act_group_k")
       .template Attr<int64_t>("num_local_experts")
       .template Attr<int64_t>("block_m")
@@ -726,12 +720,9 @@ auto bind_gemm_batched_into() {
 template <typename PlatformCtx>
 auto bind_routing_indexed() {
   return bind_base<PlatformCtx>()
-      .template Arg<AnyBuffer>()
-      .template Arg<AnyBuffer>()
-      .template Ret<AnyBuffer>()
-      .template Ret<AnyBuffer>()
-      .template Ret<AnyBuffer>()
-      .template Ret<AnyBuffer>()
+      .template Arg<AnyBuffer>()  // topk_ids [M, top_k]
+      .template Arg<AnyBuffer>()  // expert_map [num_global]
+      HJ_ROUTING_INDEXED_RESULTS
       .template Attr<int64_t>("num_local_experts")
       .template Attr<int64_t>("block_m")
       .template Attr<int64_t>("identity_map");

@@ -260,23 +260,26 @@ def experts_indexed(
     GEMM1's inside the call, so that under CUDA graphs (where each custom call is a graph of its
     own) it starts on GEMM1's tail: it reads the routing and issues its first weights before it
     waits for GEMM1's rows."""
-    code, lim = _gated_activation("experts_indexed", w13, activation, limit)
+    results, attrs = experts_indexed_results("experts_indexed", w13, w2, rows, out_dtype, activation, limit)
+    d, *_ = _call_experts("experts_indexed", results, x, w13, b13, w2, b2, routing, gather_div=gather_div,
+                          block_m=block_m, **attrs)
+    return d
+
+
+def experts_indexed_results(
+    name: str, w13: PackedWeight, w2: PackedWeight, rows: int, out_dtype: Any, activation: str, limit: float | None
+) -> tuple[tuple, dict[str, Any]]:
+    """The checks, the result shapes (d, y, c) and the activation attributes of ``experts_indexed``,
+    which ``layer_indexed`` returns after ``out``."""
+    code, lim = _gated_activation(name, w13, activation, limit)
     if w2.k != w13.n // 2:
         raise ValueError(f"w2 must have K = {w13.n // 2} (half of w13's rows), got {w2.k}")
-    d, *_ = _call_experts(
-        "experts_indexed",
-        (
-            jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
-            jax.ShapeDtypeStruct((rows, w13.n // 2), out_dtype),
-            jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
-        ),
-        x, w13, b13, w2, b2, routing,
-        gather_div=gather_div,
-        block_m=block_m,
-        activation=code,
-        limit=lim,
+    results = (
+        jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
+        jax.ShapeDtypeStruct((rows, w13.n // 2), out_dtype),
+        jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
     )
-    return d
+    return results, dict(activation=code, limit=lim)
 
 
 def experts_indexed_quant(
@@ -301,25 +304,38 @@ def experts_indexed_quant(
     [rows, w2.n], the same values as those two calls bit for bit (any activation, gated or not).
     On the GPU GEMM2's kernel is launched dependent on the kernel before it inside the call, so that
     under CUDA graphs its decode kernel reads the routing on that kernel's tail."""
+    results, attrs = experts_indexed_quant_results(x.shape[0], x.shape[1], w13, w2, rows, out_dtype, quant,
+                                                  act_group_k, activation, limit)
+    d, *_ = _call_experts("experts_indexed_quant", results, x, w13, b13, w2, b2, routing, gather_div=gather_div,
+                          block_m=block_m, **attrs)
+    return d
+
+
+def experts_indexed_quant_results(
+    x_rows: int,
+    h: int,
+    w13: PackedWeight,
+    w2: PackedWeight,
+    rows: int,
+    out_dtype: Any,
+    quant: str,
+    act_group_k: int,
+    activation: str,
+    limit: float | None,
+) -> tuple[tuple, dict[str, Any]]:
+    """The checks, the result shapes (d, c, q1, q1_scale, q2, q2_scale) and the activation and
+    quantization attributes of ``experts_indexed_quant`` (x: [x_rows, h]), which
+    ``layer_indexed_quant`` returns after ``out``."""
     act_code, lim, cols = _activated_columns(jax.ShapeDtypeStruct((rows, w13.n), out_dtype), activation, limit)
     if w2.k != cols:
         raise ValueError(f"w2 must have K = {cols} (w13's rows after {activation!r}), got {w2.k}")
-    d, *_ = _call_experts(
-        "experts_indexed_quant",
-        (
-            jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
-            jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
-            *_quant_shapes(x.shape[0], x.shape[1], quant, act_group_k),
-            *_quant_shapes(rows, cols, quant, act_group_k),
-        ),
-        x, w13, b13, w2, b2, routing,
-        act_group_k=act_group_k,
-        gather_div=gather_div,
-        block_m=block_m,
-        activation=act_code,
-        limit=lim,
+    results = (
+        jax.ShapeDtypeStruct((rows, w2.n), out_dtype),
+        jax.ShapeDtypeStruct((rows, w13.n), out_dtype),
+        *_quant_shapes(x_rows, h, quant, act_group_k),
+        *_quant_shapes(rows, cols, quant, act_group_k),
     )
-    return d
+    return results, dict(act_group_k=act_group_k, activation=act_code, limit=lim)
 
 
 # The grouped GEMM's workspace (scratch of the CUDA prefill kernel: per-SM TMA descriptors for at

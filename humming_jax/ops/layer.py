@@ -10,8 +10,7 @@ import jax.numpy as jnp
 
 from .. import _ffi
 from ..weights import PackedWeight
-from .activation import _quant_shapes
-from .gemm import _activated_columns, _gated_activation, experts_weight_operands
+from .gemm import experts_indexed_quant_results, experts_indexed_results, experts_weight_operands
 from .routing import _map_operand, indexed_padded_rows
 
 
@@ -37,19 +36,10 @@ def layer_indexed(
     results. On the GPU the four kernels (routing, GEMM1, GEMM2, finalize) each start on the tail
     of the one before: under CUDA graphs, where each custom call is a graph of its own, three
     calls would put a graph boundary between them."""
-    code, lim = _gated_activation("layer_indexed", w13, activation, limit)
-    if w2.k != w13.n // 2:
-        raise ValueError(f"w2 must have K = {w13.n // 2} (half of w13's rows), got {w2.k}")
     m, k = topk_ids.shape
-    rows = m * k
-    dt = x.dtype
-    results = (
-        jax.ShapeDtypeStruct((rows, w2.n), dt),
-        jax.ShapeDtypeStruct((rows, w13.n // 2), dt),
-        jax.ShapeDtypeStruct((rows, w13.n), dt),
-    )
+    results, attrs = experts_indexed_results("layer_indexed", w13, w2, m * k, x.dtype, activation, limit)
     return _call_layer("layer_indexed", results, x, w13, b13, w2, b2, topk_ids, expert_map, topk_weights, out,
-                       block_m=block_m, activation=code, limit=lim)
+                       block_m=block_m, **attrs)
 
 
 def layer_indexed_quant(
@@ -74,19 +64,10 @@ def layer_indexed_quant(
     bit. The result aliases ``out``; the routing arrays, the GEMMs' rows and the quantized
     activations are the call's own scratch results."""
     m, k = topk_ids.shape
-    rows = m * k
-    dt = x.dtype
-    act_code, lim, cols = _activated_columns(jax.ShapeDtypeStruct((rows, w13.n), dt), activation, limit)
-    if w2.k != cols:
-        raise ValueError(f"w2 must have K = {cols} (w13's rows after {activation!r}), got {w2.k}")
-    results = (
-        jax.ShapeDtypeStruct((rows, w2.n), dt),
-        jax.ShapeDtypeStruct((rows, w13.n), dt),
-        *_quant_shapes(m, x.shape[1], quant, act_group_k),
-        *_quant_shapes(rows, cols, quant, act_group_k),
-    )
+    results, attrs = experts_indexed_quant_results(m, x.shape[1], w13, w2, m * k, x.dtype, quant, act_group_k,
+                                                   activation, limit)
     return _call_layer("layer_indexed_quant", results, x, w13, b13, w2, b2, topk_ids, expert_map, topk_weights, out,
-                       block_m=block_m, act_group_k=act_group_k, activation=act_code, limit=lim)
+                       block_m=block_m, **attrs)
 
 
 def _call_layer(

@@ -1511,6 +1511,38 @@ def test_decode_layer_indexed_matches_three_calls_and_cpu(rng, monkeypatch, sche
     _assert_close(got["one"], want["one"], dtype, f"{what}: GPU against CPU")
 
 
+def _indexed_quant_case(rng, monkeypatch, scheme, activation, limit, variant, e, h, i):
+    """The 8-bit-activation two-GEMM tests' set-up: the variant's environment (the ring only for fp8
+    per 128), then (dtype, w13, w2, b13) drawn for e experts, hidden size h and i intermediate."""
+    if variant == "ring" and scheme != "w8a8-fp8-block128":
+        pytest.skip("the ring kernel runs fp8 weights and activations")
+    for name, value in _FUSED_QUANT_ENV[variant].items():
+        monkeypatch.setenv(name, value)
+    dtype = SCHEMES[scheme].default_dtype
+    gated = get_activation(activation, limit)[0].gated
+    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
+    w2 = _decode_weights(rng, scheme, dtype, e, h, i if gated else 2 * i)
+    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    return dtype, w13, w2, b13
+
+
+def _cpu_gemm2(ids, emap, w2, b2, dtype, quant, activation, limit):
+    """GEMM2 of the 8-bit-activation chain on the CPU as a function of GEMM1's rows c: activation(c)
+    quantized (quant: (kind, group)) times w2, over topk_ids' indexed routing (emap: its map or
+    None). The stage-by-stage checks' CPU side (_check_fused_forms)."""
+    m, k = ids.shape
+    e = w2.num_experts
+    bm = indexed_block_m(m * k, e)
+    idc, emapc, w2c, b2c = jax.device_put((ids, emap, w2, b2), CPU)
+
+    def gemm2(c):
+        r = routing_ops.routing_indexed(idc, emapc, e, bm)
+        return gemm_ops.gemm_indexed_quant(c, w2c, b2c, r, rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype,
+                                           quant=quant[0], act_group_k=quant[1], activation=activation, limit=limit)
+
+    return gemm2
+
+
 @requires_decode
 @pytest.mark.parametrize("scheme", ["w8a8-fp8-block128", "w8a8-int8-channel"])
 @pytest.mark.parametrize("activation,limit", [("silu", None), ("swigluoai", 7.0), ("gelu_no_mul", None)])
@@ -1522,15 +1554,7 @@ def test_decode_experts_indexed_quant_matches_two_calls_and_cpu(rng, monkeypatch
     themselves, or after the quantization kernel: "decode-unfused") or the fp8 ring kernel (fp8 per
     128 only), GEMM2 launched dependent on the kernel before it, with the bits of two
     gemm_indexed_quant calls and close to the CPU's values."""
-    if variant == "ring" and scheme != "w8a8-fp8-block128":
-        pytest.skip("the ring kernel runs fp8 weights and activations")
-    for name, value in _FUSED_QUANT_ENV[variant].items():
-        monkeypatch.setenv(name, value)
-    dtype = SCHEMES[scheme].default_dtype
-    gated = get_activation(activation, limit)[0].gated
-    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
-    w2 = _decode_weights(rng, scheme, dtype, e, h, i if gated else 2 * i)
-    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    dtype, w13, w2, b13 = _indexed_quant_case(rng, monkeypatch, scheme, activation, limit, variant, e, h, i)
     b2 = jnp.asarray(rng.standard_normal((e, h)).astype(np.float32) * 0.1)
     ids, _ = _decode_routing(rng, m, k, e)
     ids = jnp.where(ids >= e, -1, ids)
@@ -1539,15 +1563,7 @@ def test_decode_experts_indexed_quant_matches_two_calls_and_cpu(rng, monkeypatch
     what = f"{scheme} {activation} {variant} M={m} E={e} H={h} I={i}"
     with _LaunchCount(_DECODE_LAUNCHES) as launches:
         got = _run_on(GPU, fn, ops)
-    bm = indexed_block_m(m * k, e)
-    w2c, b2c, idc = jax.device_put((w2, b2, ids), CPU)
-
-    def second(c):
-        r = routing_ops.routing_indexed(idc, None, e, bm)
-        return gemm_ops.gemm_indexed_quant(c, w2c, b2c, r, gather_div=1, activation=activation, limit=limit,
-                                           rows=m * k, block_m=bm, out_dtype=dtype, quant=quant[0],
-                                           act_group_k=quant[1])
-
+    second = _cpu_gemm2(ids, None, w2, b2, dtype, quant, activation, limit)
     _check_fused_forms(got, fn, ops, dtype, what, exact=True, second=second)
     assert launches.count == 4, f"{what}: {launches.count} decode launches (two per form)"
 
@@ -1566,15 +1582,7 @@ def test_decode_layer_indexed_quant_matches_three_calls_and_cpu(rng, monkeypatch
     from humming_jax.ops import finalize as fin_ops
     from humming_jax.ops import layer as layer_ops
 
-    if variant == "ring" and scheme != "w8a8-fp8-block128":
-        pytest.skip("the ring kernel runs fp8 weights and activations")
-    for name, value in _FUSED_QUANT_ENV[variant].items():
-        monkeypatch.setenv(name, value)
-    dtype = SCHEMES[scheme].default_dtype
-    gated = get_activation(activation, limit)[0].gated
-    w13 = _decode_weights(rng, scheme, dtype, e, 2 * i, h)
-    w2 = _decode_weights(rng, scheme, dtype, e, h, i if gated else 2 * i)
-    b13 = jnp.asarray(rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1)
+    dtype, w13, w2, b13 = _indexed_quant_case(rng, monkeypatch, scheme, activation, limit, variant, e, h, i)
     ids, emap = _decode_routing(rng, m, k, e)
     tw = jnp.asarray(rng.random((m, k)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, h)), dtype)
@@ -1605,13 +1613,12 @@ def test_decode_layer_indexed_quant_matches_three_calls_and_cpu(rng, monkeypatch
     # finalize on the CPU from the GPU's GEMM1 rows.
     valid = got["src"].reshape(-1) >= 0
     _assert_close(got["c"][valid], want["c"][valid], dtype, f"{what}: GEMM1 against the CPU")
-    idc, emapc, twc, w2c = jax.device_put((ids, emap, tw, w2), CPU)
+    gemm2 = _cpu_gemm2(ids, emap, w2, None, dtype, (quant, group), activation, limit)
+    idc, emapc, twc = jax.device_put((ids, emap, tw), CPU)
 
     def rest(c):
         r = routing_ops.routing_indexed(idc, emapc, e, bm)
-        d = gemm_ops.gemm_indexed_quant(c, w2c, None, r, rows=m * k, gather_div=1, block_m=bm, out_dtype=dtype,
-                                        quant=quant, act_group_k=group, activation=activation, limit=limit)
-        return fin_ops.finalize(d, twc, r.src_rows, nan_out(x.shape, x.dtype))
+        return fin_ops.finalize(gemm2(c), twc, r.src_rows, nan_out(x.shape, x.dtype))
 
     again = _to_np(jax.jit(rest)(jax.device_put(jnp.asarray(got["c"], dtype), CPU)))
     _assert_close(got["one"], again, dtype, f"{what}: GPU against the CPU's GEMM2 and finalize of the same GEMM1 rows")

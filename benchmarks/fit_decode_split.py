@@ -5,6 +5,7 @@
 far each rule's choices are above the per-GEMM best. Fits the rule's two constants over a grid.
 
     python3 benchmarks/fit_decode_split.py benchmarks/results/h200/2026-12-03-sweep-decode-wk-per-gemm.json
+    python3 benchmarks/fit_decode_split.py --gemm2-from-total SWEEP.json [SWEEP.json ...]  # one-call experts
 """
 
 from __future__ import annotations
@@ -105,8 +106,11 @@ def per_gemm_times(sequence: list[list]) -> tuple[list[float], list[float]]:
     return gemm_us[0::2], gemm_us[1::2]
 
 
-def gemms(data: dict, stages: int = STAGES) -> list[dict]:
-    """One entry per GEMM: its name, candidates (a ring of ``stages``) and µs per forced wk."""
+def gemms(data: dict, stages: int = STAGES, gemm2_from_total: bool = False) -> list[dict]:
+    """One entry per GEMM: its name, candidates (a ring of ``stages``) and µs per forced wk.
+    ``gemm2_from_total``: GEMM2's µs is the call's median less GEMM1's, for sweeps where GEMM2's
+    kernel is launched dependent on GEMM1's inside one call (experts_indexed, layer_indexed), so its
+    own duration includes the time it waits on GEMM1's tail."""
     out = []
     for row in data["rows"]:
         e, topk, h, i = ms.SHAPES[row["shape"]]
@@ -115,7 +119,8 @@ def gemms(data: dict, stages: int = STAGES) -> list[dict]:
             g1, g2 = per_gemm_times(seq)
             if len(g1) != row["sets"] or len(g2) != row["sets"]:
                 raise SystemExit(f"{row['shape']} {row['format']} M={row['M']}: launches do not split into GEMMs")
-            per_value[v] = (sum(g1) / len(g1), sum(g2) / len(g2))
+            t1 = sum(g1) / len(g1)
+            per_value[v] = (t1, 1000 * row["ms"][v] - t1 if gemm2_from_total else sum(g2) / len(g2))
         # A GEMM1 with 16-bit activations and no kernel after it wrote the (silu) activation of its
         # halves itself (gemm_indexed_gated): at most 4 K groups (a forced 8 falls back to the plan).
         seq = row["launches_us"]["unset"]
@@ -137,13 +142,17 @@ def evaluate(items: list[dict], rule) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("sweep", help="sweep_env.py JSON of HUMMING_JAX_DECODE_WK with launches_us")
+    p.add_argument("sweep", nargs="+", help="sweep_env.py JSONs of HUMMING_JAX_DECODE_WK with launches_us")
     p.add_argument("--show", action="store_true", help="each GEMM's choice under both rules")
     p.add_argument("--stages", type=int, default=STAGES, choices=(3, 4),
                    help="the decode ring's stages when the sweep ran (4 before v30)")
+    p.add_argument("--gemm2-from-total", action="store_true",
+                   help="GEMM2 = the call's time less GEMM1's (GEMM2 launched dependent on GEMM1 in one call)")
     args = p.parse_args()
-    with open(args.sweep) as fh:
-        items = gemms(json.load(fh), args.stages)
+    items = []
+    for path in args.sweep:
+        with open(path) as fh:
+            items += gemms(json.load(fh), args.stages, args.gemm2_from_total)
     fmt = "{mean:6.2%} mean, {worst:6.2%} worst, {total:6.2%} in total above the per-GEMM best"
     print(f"{len(items)} GEMMs")
     print("resident (previous):", fmt.format(**evaluate(items, by_resident)))

@@ -392,6 +392,16 @@ def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
     old, new = fds.evaluate(items, fds.by_resident), fds.evaluate(items, fds.by_time())
     assert new["total"] < old["total"] and new["worst"] < old["worst"]
 
+    # A sweep of the one-call experts (GEMM2 launched dependent on GEMM1, so its own duration holds
+    # its wait on GEMM1's tail): with gemm2_from_total, GEMM2 is the call's median less GEMM1.
+    one_call = BENCH / "results" / "h100" / "2026-12-07-v39-call4-sweep-decode-wk-m16.json"
+    data = json.loads(one_call.read_text())
+    row = data["rows"][0]
+    plain, from_total = fds.gemms(data), fds.gemms(data, gemm2_from_total=True)
+    g1, g2 = (us for _, us in row["launches_us"]["1"])  # the forced wk = 1, one input set
+    assert plain[0]["us"] == from_total[0]["us"] and plain[1]["us"][1] == g2
+    assert abs(from_total[1]["us"][1] - (1000 * row["ms"]["1"] - g1)) < 1e-9 and from_total[1]["us"][1] < g2
+
 
 def test_sweep_launches_splits_gemms_and_names_the_kernels(capsys):
     """sweep_launches.py on a made-up device-timer sweep: two input sets per call, each GEMM1 (a

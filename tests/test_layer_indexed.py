@@ -32,16 +32,23 @@ def _both(monkeypatch, layer, **kw):
     return one, three
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp16", "w4a16-int4-g128", "w4a16-mxfp4", "w8a16-fp8-block128"])
-@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
-@pytest.mark.parametrize("m", [1, 13])
-def test_layer_indexed_equals_the_three_calls_and_the_oracle(rng, monkeypatch, scheme, activation, m):
+def _one_call_is_three(rng, monkeypatch, scheme, activation, m):
+    """A biased layer of ``scheme`` through the one call and through three: finite, not all zero and
+    bit-equal. Returns the layer, its keyword arguments and the one call's result."""
     layer = random_layer(rng, m=m, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, bias=True,
                          pad_frac=0.2 if m > 1 else 0.0)  # one token: keep its entries (not all padding)
     kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
     one, three = _both(monkeypatch, layer, **kw)
     assert np.all(np.isfinite(one)) and np.any(one != 0.0)
     np.testing.assert_array_equal(one, three)
+    return layer, kw, one
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "fp16", "w4a16-int4-g128", "w4a16-mxfp4", "w8a16-fp8-block128"])
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+@pytest.mark.parametrize("m", [1, 13])
+def test_layer_indexed_equals_the_three_calls_and_the_oracle(rng, monkeypatch, scheme, activation, m):
+    layer, kw, one = _one_call_is_three(rng, monkeypatch, scheme, activation, m)
     want = reference(layer, b13=layer.weights.b13, b2=layer.weights.b2, **kw)
     assert relative_error(one, want) <= layer_tolerance(layer.x.dtype, None)
 
@@ -52,12 +59,7 @@ def test_layer_indexed_equals_the_three_calls_and_the_oracle(rng, monkeypatch, s
 def test_layer_indexed_quant_equals_the_three_calls_and_the_oracle(rng, monkeypatch, scheme, activation, m):
     """8-bit activations: layer_indexed_quant against routing_indexed, experts_indexed_quant and
     finalize, and against the oracle that quantizes the activations as the scheme does."""
-    layer = random_layer(rng, m=m, e=8, h=256, i=128, k=3, activation=activation, scheme=scheme, bias=True,
-                         pad_frac=0.2 if m > 1 else 0.0)  # one token: keep its entries (not all padding)
-    kw = dict(activation=activation, activation_limit=7.0 if activation == "swigluoai" else None)
-    one, three = _both(monkeypatch, layer, **kw)
-    assert np.all(np.isfinite(one)) and np.any(one != 0.0)
-    np.testing.assert_array_equal(one, three)
+    layer, kw, one = _one_call_is_three(rng, monkeypatch, scheme, activation, m)
     quant = act_quant_params(SCHEMES[scheme].act_key)
     want = reference(layer, b13=layer.weights.b13, b2=layer.weights.b2, input_quant=InputQuant(*quant), **kw)
     assert relative_error(one, want) <= layer_tolerance(layer.x.dtype, quant)

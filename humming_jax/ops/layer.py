@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from .. import _ffi
 from ..weights import PackedWeight
 from .gemm import experts_indexed_quant_results, experts_indexed_results, experts_weight_operands
-from .routing import _map_operand, indexed_padded_rows
+from .routing import routing_indexed_parts
 
 
 def layer_indexed(
@@ -88,30 +87,10 @@ def _call_layer(
 ) -> jax.Array:
     """A layer_* call: x, the weights, topk_ids, the map (or its stand-in), topk_weights and out
     (aliased to result 0); results out, the experts call's results, then the routing's four."""
-    m, k = topk_ids.shape
-    e = w13.data.shape[0]
-    p = indexed_padded_rows(m * k, e, block_m)
-    map_operand, identity = _map_operand(topk_ids, expert_map)
+    routing_results, map_operand, routing_attrs = routing_indexed_parts(topk_ids, expert_map, w13.data.shape[0],
+                                                                        block_m)
     weights, weight_attrs = experts_weight_operands(w13, b13, w2, b2)
-    i32 = jnp.int32
-    results: Any = (
-        jax.ShapeDtypeStruct(out.shape, out.dtype),
-        *experts_results,
-        jax.ShapeDtypeStruct((p,), i32),
-        jax.ShapeDtypeStruct((p // block_m,), i32),
-        jax.ShapeDtypeStruct((1,), i32),
-        jax.ShapeDtypeStruct((m, k), i32),
-    )
+    results = (jax.ShapeDtypeStruct(out.shape, out.dtype), *experts_results, *routing_results)
     operands = (x, *weights, topk_ids, map_operand, topk_weights, out)
-    res = _ffi.call(
-        name,
-        results,
-        *operands,
-        aliases={len(operands) - 1: 0},
-        **weight_attrs,
-        num_local_experts=e,
-        block_m=block_m,
-        identity_map=identity,
-        **attrs,
-    )
+    res = _ffi.call(name, results, *operands, aliases={len(operands) - 1: 0}, **weight_attrs, **routing_attrs, **attrs)
     return res[0]

@@ -47,25 +47,26 @@ def routing_indexed(
 ) -> IndexedRouting:
     """The indexed layout of ``topk_ids`` [M, k] through ``expert_map`` (global id -> local slot or
     -1; None or an empty map is the identity over the local experts, every other id skipped)."""
+    results, map_operand, attrs = routing_indexed_parts(topk_ids, expert_map, num_local_experts, block_m)
+    return IndexedRouting(*_ffi.call("routing_indexed", results, topk_ids, map_operand, **attrs))
+
+
+def routing_indexed_parts(
+    topk_ids: jax.Array, expert_map: jax.Array | None, num_local_experts: int, block_m: int
+) -> tuple[tuple, jax.Array, dict[str, int]]:
+    """The result shapes (IndexedRouting's four arrays), the map operand and the attributes of
+    ``routing_indexed``, which ``layer_indexed`` returns after its experts results."""
     m, k = topk_ids.shape
     map_operand, identity = _map_operand(topk_ids, expert_map)
     p = indexed_padded_rows(m * k, num_local_experts, block_m)
     i32 = jnp.int32
-    out = _ffi.call(
-        "routing_indexed",
-        (
-            jax.ShapeDtypeStruct((p,), i32),
-            jax.ShapeDtypeStruct((p // block_m,), i32),
-            jax.ShapeDtypeStruct((1,), i32),
-            jax.ShapeDtypeStruct((m, k), i32),
-        ),
-        topk_ids,
-        map_operand,
-        num_local_experts=num_local_experts,
-        block_m=block_m,
-        identity_map=identity,
+    results = (
+        jax.ShapeDtypeStruct((p,), i32),
+        jax.ShapeDtypeStruct((p // block_m,), i32),
+        jax.ShapeDtypeStruct((1,), i32),
+        jax.ShapeDtypeStruct((m, k), i32),
     )
-    return IndexedRouting(*out)
+    return results, map_operand, dict(num_local_experts=num_local_experts, block_m=block_m, identity_map=identity)
 
 
 def routing_grouped(topk_ids: jax.Array, expert_map: jax.Array | None, num_local_experts: int) -> GroupedRouting:

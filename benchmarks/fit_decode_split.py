@@ -2,7 +2,7 @@
 ``sweep_env.py --var HUMMING_JAX_DECODE_WK --values unset,1,2,4,8 --timer device`` result (its
 ``launches_us``: GEMM1 and GEMM2 apart), rebuilds each GEMM's candidate splits the way
 ``plan()`` in cuda_ffi/gemm_decode_sm90.cu does (indexed layout, H200: 132 SMs), and reports how
-far each rule's choices are above the per-GEMM best. Fits the rule's two constants over a grid.
+far each rule's choices are above the per-GEMM best. Fits the rule's constants over a grid.
 
     python3 benchmarks/fit_decode_split.py benchmarks/results/h200/2026-12-03-sweep-decode-wk-per-gemm.json
     python3 benchmarks/fit_decode_split.py --gemm2-from-total SWEEP.json [SWEEP.json ...]  # one-call experts
@@ -31,6 +31,8 @@ class Candidate:
     ctas: int
     slots: int
     cta_bytes: int  # bn weight rows + the item's expected activation rows
+    w_bytes: int    # bn weight rows
+    iters: int      # chunk columns per K group
 
 
 def expected_distinct(e: int, draws: int) -> int:
@@ -62,7 +64,8 @@ def candidates(fmt: str, n: int, k: int, e: int, rows: int, max_wk: int = WARPS,
             break
         per_sm = min(2, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
         bn = WARPS // wk * ROWS_PER_WARP
-        out.append(Candidate(wk, est * -(-n // bn), max(1, per_sm * SMS), bn * row_bytes + act))
+        out.append(Candidate(wk, est * -(-n // bn), max(1, per_sm * SMS), bn * row_bytes + act, bn * row_bytes,
+                             -(-nc // wk)))
     return out
 
 
@@ -71,14 +74,29 @@ def by_resident(cs: list[Candidate]) -> int:
     return max(cs, key=lambda c: (min(c.ctas, c.slots), -c.wk)).wk
 
 
+def rounds_tenths(c: Candidate, pair_tenths: int) -> int:
+    """The larger of the resident waves and pair_tenths / 10 x the busiest SM's CTAs."""
+    return max(10 * -(-c.ctas // c.slots), pair_tenths * -(-c.ctas // SMS))
+
+
 def by_time(fixed_bytes: int = 32 << 10, pair_tenths: int = 6):
-    """The rule in force: rounds (the larger of resident waves and pair_tenths / 10 x the busiest
-    SM's CTAs) times (a CTA's bytes + fixed_bytes), the smallest wk among equals."""
+    """The v11k rule (HUMMING_JAX_DECODE_PLAN=bytes): rounds times (a CTA's weight and activation
+    bytes + fixed_bytes), the smallest wk among equals."""
     def rule(cs: list[Candidate]) -> int:
-        def score(c: Candidate) -> int:
-            tenths = max(10 * -(-c.ctas // c.slots), pair_tenths * -(-c.ctas // SMS))
-            return tenths * (c.cta_bytes + fixed_bytes)
-        return min(cs, key=lambda c: (score(c), c.wk)).wk
+        return min(cs, key=lambda c: (rounds_tenths(c, pair_tenths) * (c.cta_bytes + fixed_bytes), c.wk)).wk
+    return rule
+
+
+def by_time_near(fixed_bytes: int = 32 << 10, pair_tenths: int = 6, near: float = 0.05, min_iters: int = 16):
+    """The rule in force: rounds times (a CTA's weight bytes + fixed_bytes); of the wk within
+    ``near`` of the least estimate, the largest that leaves each K group ``min_iters`` chunk
+    columns, else the least estimate's (the smallest wk among equals)."""
+    def rule(cs: list[Candidate]) -> int:
+        score = {c.wk: rounds_tenths(c, pair_tenths) * (c.w_bytes + fixed_bytes) for c in cs}
+        least = min(cs, key=lambda c: (score[c.wk], c.wk))
+        near_ones = [c.wk for c in cs
+                     if c.wk > least.wk and score[c.wk] <= score[least.wk] * (1 + near) and c.iters >= min_iters]
+        return max(near_ones, default=least.wk)
     return rule
 
 
@@ -155,16 +173,19 @@ def main() -> None:
             items += gemms(json.load(fh), args.stages, args.gemm2_from_total)
     fmt = "{mean:6.2%} mean, {worst:6.2%} worst, {total:6.2%} in total above the per-GEMM best"
     print(f"{len(items)} GEMMs")
-    print("resident (previous):", fmt.format(**evaluate(items, by_resident)))
-    print("by time (in force): ", fmt.format(**evaluate(items, by_time())))
-    grid = [(evaluate(items, by_time(f << 10, t)), f, t) for f in (16, 24, 32, 40, 48, 64) for t in (5, 6, 7)]
+    print("resident (HUMMING_JAX_DECODE_PLAN=resident):", fmt.format(**evaluate(items, by_resident)))
+    print("by time (v11k, HUMMING_JAX_DECODE_PLAN=bytes):", fmt.format(**evaluate(items, by_time())))
+    print("by time, near ties to the finer split (in force):", fmt.format(**evaluate(items, by_time_near())))
+    grid = [(evaluate(items, by_time_near(f << 10, t, n, i)), f, t, n, i)
+            for f in (16, 32, 48) for t in (5, 6, 7) for n in (0.0, 0.02, 0.05, 0.1) for i in (1, 8, 16)]
     best = min(grid, key=lambda g: g[0]["total"])
-    print(f"grid best: fixed {best[1]} KB, pair {best[2] / 10:.1f}:", fmt.format(**best[0]))
+    print(f"grid best: fixed {best[1]} KB, pair {best[2] / 10:.1f}, near {best[3]:.0%}, min iters {best[4]}:",
+          fmt.format(**best[0]))
     if args.show:
-        new = by_time()
+        old, new = by_time(), by_time_near()
         for it in items:
-            a, b = by_resident(it["cands"]), new(it["cands"])
-            print(f"  {it['name']:44s} resident wk{a} {it['us'][a]:8.2f} µs  by time wk{b} {it['us'][b]:8.2f} µs  "
+            a, b = old(it["cands"]), new(it["cands"])
+            print(f"  {it['name']:44s} v11k wk{a} {it['us'][a]:8.2f} µs  in force wk{b} {it['us'][b]:8.2f} µs  "
                   f"best {min(it['us'].values()):8.2f}")
 
 

@@ -206,18 +206,22 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
   D.div_agk = make_fastdiv(
       static_cast<uint32_t>(std::min<int64_t>(std::max<int64_t>(p.a.group_k, 1), int64_t{1} << 30)));
 
-  // Warps along K (wk) against warps along N: more CTAs (large wk) let more SMs stream at once, a
-  // wider CTA (small wk) shares each activation load among more rows, has fewer CTA start-ups and
-  // keeps the activation stage small enough for two CTAs per SM. Pick the wk with the least
-  // estimated time: rounds of CTAs times what one CTA costs, the bytes it reads (its bn weight
-  // rows, its item's expected activation rows) plus kCtaFixedBytes for its start-up and pipeline
-  // fill; the smallest wk among equals; never more K groups than chunk columns. A round is the
-  // larger of two bounds: the waves of resident CTAs (ceil(CTAs / slots)), and the busiest SM's
-  // CTAs (ceil(CTAs / SMs)) at kPairCost tenths of a CTA each, as two CTAs sharing an SM take ~1.2x
-  // one CTA's time. Fitted on per-GEMM timings of every wk (benchmarks/NOTES.md, v11k: 72 GEMMs of
-  // three shapes and four formats at M = 1, 4, 16; 2.3% above the per-GEMM best in total against
-  // 5.0% for the previous rule, the most resident CTAs, which HUMMING_JAX_DECODE_PLAN=resident
-  // keeps for A/B timing).
+  // Warps along K (wk) against warps along N: more CTAs (large wk) let more SMs stream at once and
+  // even out items of unequal cost, a wider CTA (small wk) shares each activation load among more
+  // rows, has fewer CTA start-ups and keeps the activation stage small enough for two CTAs per SM.
+  // Each wk's estimated time: rounds of CTAs times what one CTA costs, its bn weight rows' bytes
+  // plus kCtaFixedBytes for its start-up and pipeline fill (the item's activation rows, read by
+  // all of its CTAs, mostly come from L2 and are left out); never more K groups than chunk columns.
+  // A round is the larger of two bounds: the waves of resident CTAs (ceil(CTAs / slots)), and the
+  // busiest SM's CTAs (ceil(CTAs / SMs)) at kPairCost tenths of a CTA each, as two CTAs sharing an
+  // SM take ~1.2x one CTA's time. Of the wk within kNearTie of the least estimate, the largest that
+  // leaves each K group at least kMinIters chunk columns (else the least estimate's, the smallest
+  // wk among equals): a finer split measured faster wherever the estimates come that close.
+  // Fitted on per-GEMM timings of every wk (benchmarks/NOTES.md, v39: 66 GEMMs on an H100 and
+  // 2 x 72 on an H200, 0.4 / 0.8 / 0.5% above the per-GEMM best in total against 2.0 / 2.3 / 1.4%
+  // for the v11k rule, which counted the activation rows and took the least estimate:
+  // HUMMING_JAX_DECODE_PLAN=bytes keeps it, =resident the rule before it, the most resident CTAs,
+  // for A/B timing).
   D.nc = static_cast<int>((K + kw - 1) / kw);
   D.div_upr = make_fastdiv(static_cast<uint32_t>(D.nc * kw * asz / 16));
   D.div_gn = make_fastdiv(std::min<uint32_t>(std::max<uint32_t>(L.group_n, 1u), 1u << 30));  // n < 2^30
@@ -234,13 +238,17 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
     return static_cast<int64_t>(kStages) * (kWStageBytes + int64_t{D.max_rows} * act_row_bytes(wk));
   };
   constexpr int64_t kCtaFixedBytes = 32 << 10;
-  constexpr int64_t kPairCost = 6;  // tenths of a CTA's time per CTA on an SM running two
+  constexpr int64_t kPairCost = 6;   // tenths of a CTA's time per CTA on an SM running two
+  constexpr double kNearTie = 0.05;  // estimates this close to the least count as equal
+  constexpr int kMinIters = 16;      // chunk columns per K group below which a finer split is not taken
   const char* plan_env = std::getenv("HUMMING_JAX_DECODE_PLAN");
-  const bool by_resident = plan_env && std::string(plan_env) == "resident";
-  const int64_t item_act_bytes = std::min<int64_t>(D.max_rows, (rows_total + est - 1) / est) * K * asz;
-  int wk = 1;
-  double best = 0.0;  // the lowest score so far, the first (smallest wk) among equals; double: no overflow
-  for (int c = 1; c <= max_wk && (c == 1 || c <= D.nc); c *= 2) {
+  const std::string plan_rule = plan_env ? plan_env : "";
+  const bool by_resident = plan_rule == "resident", by_bytes = plan_rule == "bytes";
+  const int64_t item_act_bytes =
+      by_bytes ? std::min<int64_t>(D.max_rows, (rows_total + est - 1) / est) * K * asz : 0;
+  double scores[4];  // by log2(wk); double: no overflow
+  int n_cands = 0, least = 0;  // least: the first (smallest wk) among the lowest scores
+  for (int c = 1; c <= max_wk && c <= 8 && (c == 1 || c <= D.nc); c *= 2) {
     const int64_t sm = smem_for(c);
     if (sm > kMaxDynamicSmem) break;
     const int64_t per_sm = ctas_per_sm(sm);
@@ -250,9 +258,17 @@ bool plan(const GemmLaunch& L, int sms, Plan* out, int max_wk = kWarps) {
     const double score = by_resident ? -static_cast<double>(std::min(ctas, slots))  // resident CTAs
                                      : static_cast<double>(tenths) *
                                            static_cast<double>(bn * row_bytes + item_act_bytes + kCtaFixedBytes);
-    if (c == 1 || score < best) {
-      best = score;
-      wk = c;
+    scores[n_cands] = score;
+    if (n_cands == 0 || score < scores[least]) least = n_cands;
+    ++n_cands;
+  }
+  int wk = 1 << least;
+  if (!by_resident && !by_bytes) {
+    for (int i = n_cands - 1; i > least; --i) {
+      if (scores[i] <= scores[least] * (1.0 + kNearTie) && (D.nc + (1 << i) - 1) >> i >= kMinIters) {
+        wk = 1 << i;
+        break;
+      }
     }
   }
   // HUMMING_JAX_DECODE_WK=1|2|4|8 forces the K split where it fits (for tuning measurements).

@@ -368,12 +368,13 @@ def test_library_ab_runs_each_build_in_turn_and_checks_the_names(tmp_path):
 
 
 def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
-    """fit_decode_split.py on the committed per-GEMM sweep: its copy of plan()'s candidates gives
-    the splits the H200 logged (HUMMING_JAX_DECODE_LOG=1, v11k call 3) under both rules, and the
-    rule in force is closer to the per-GEMM best than the previous one."""
+    """fit_decode_split.py on the committed per-GEMM sweeps: its copy of plan()'s candidates gives
+    the splits the H200 logged (HUMMING_JAX_DECODE_LOG=1, v11k call 3) under the two earlier rules
+    (HUMMING_JAX_DECODE_PLAN=resident, =bytes) and those an H100 logged under the rule in force, and the rule in force is closer to the per-GEMM best
+    than both on each sweep (an H200's two, an H100's one)."""
     import fit_decode_split as fds
 
-    logged = {  # (format, N, K, experts, routed rows): (previous rule's wk, the rule in force's wk)
+    logged = {  # (format, N, K, experts, routed rows): (resident rule's wk, v11k rule's wk)
         ("w8a8-fp8-block128", 1536, 2048, 128, 8): (8, 4),
         ("w8a8-fp8-block128", 2048, 768, 128, 8): (8, 4),
         ("w4a16-int4-g128", 4096, 7168, 32, 32): (1, 2),
@@ -391,6 +392,33 @@ def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
     assert len(items) == 72 and all(set(it["us"]) == {c.wk for c in it["cands"]} for it in items)
     old, new = fds.evaluate(items, fds.by_resident), fds.evaluate(items, fds.by_time())
     assert new["total"] < old["total"] and new["worst"] < old["worst"]
+    # The splits an H100 logged under the rule in force (v40 call 1, plans.txt): (format, N, K,
+    # experts, routed rows, GEMM1 pairing its halves, so at most 4 K groups): wk.
+    logged_near = {
+        ("bf16", 1536, 2048, 128, 128, True): 4, ("bf16", 1536, 2048, 128, 8, True): 4,
+        ("w4a16-int4-g128", 1536, 2048, 128, 128, True): 1, ("w4a16-int4-g128", 1536, 2048, 128, 8, True): 4,
+        ("bf16", 2048, 768, 128, 128, False): 1, ("bf16", 2048, 768, 128, 8, False): 4,
+        ("w4a16-int4-g128", 2048, 768, 128, 128, False): 1, ("w4a16-int4-g128", 2048, 768, 128, 8, False): 4,
+        ("bf16", 28672, 4096, 8, 32, True): 4, ("bf16", 28672, 4096, 8, 2, True): 4,
+        ("w4a16-int4-g128", 28672, 4096, 8, 32, True): 1, ("w4a16-int4-g128", 28672, 4096, 8, 2, True): 1,
+        ("bf16", 4096, 14336, 8, 32, False): 8, ("bf16", 4096, 14336, 8, 2, False): 8,
+        ("w4a16-int4-g128", 4096, 14336, 8, 32, False): 4, ("w4a16-int4-g128", 4096, 14336, 8, 2, False): 8,
+        ("bf16", 4096, 7168, 32, 128, True): 4, ("bf16", 4096, 7168, 32, 8, True): 4,
+        ("w4a16-int4-g128", 4096, 7168, 32, 128, True): 2, ("w4a16-int4-g128", 4096, 7168, 32, 8, True): 2,
+        ("bf16", 7168, 2048, 32, 128, False): 2, ("bf16", 7168, 2048, 32, 8, False): 4,
+        ("w4a16-int4-g128", 7168, 2048, 32, 128, False): 1, ("w4a16-int4-g128", 7168, 2048, 32, 8, False): 1,
+    }
+    for (fmt, n, k, e, rows, gated), wk in logged_near.items():
+        cs = fds.candidates(fmt, n, k, e, rows, max_wk=4 if gated else 8)
+        assert fds.by_time_near()(cs) == wk, (fmt, n, k, e, rows, gated)
+    h100 = [BENCH / "results" / "h100" / f"2026-12-07-v39-call{c}-sweep-decode-wk-{m}.json"
+            for c, m in (("5", "m1-4"), ("4", "m16"), ("5", "m16-bf16"))]
+    v11u = BENCH / "results" / "h200" / "2026-12-04-v11u-sweep-decode-wk-per-gemm.json"
+    for sweep_items in (fds.gemms(json.loads(sweep.read_text()), stages=4),
+                        fds.gemms(json.loads(v11u.read_text()), stages=4),
+                        [it for f in h100 for it in fds.gemms(json.loads(f.read_text()), gemm2_from_total=True)]):
+        v11k, near = fds.evaluate(sweep_items, fds.by_time()), fds.evaluate(sweep_items, fds.by_time_near())
+        assert near["total"] < v11k["total"] - 0.005 and near["worst"] <= v11k["worst"]
 
     # A sweep of the one-call experts (GEMM2 launched dependent on GEMM1, so its own duration holds
     # its wait on GEMM1's tail): with gemm2_from_total, GEMM2 is the call's median less GEMM1.

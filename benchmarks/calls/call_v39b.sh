@@ -16,3 +16,5 @@ for f in w4a16-int4-g128 w4a16-mxfp4 w8a8-fp8-block128 bf16; do
   timeout $B python3 benchmarks/bench_moe.py --shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --formats $f --tokens 1,16 --zipf-tokens 0 --timer device --time-budget-s $(( B > 150 ? 120 : B - 25 )) --out $OUT/decode-$f.json > $OUT/decode-$f.txt 2>&1
   echo "$f rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "MISSED|MET|wrote" $OUT/decode-$f.txt | cut -c1-220
 done
+# At most eight files come back from $OUT: the printed tables go as one archive beside the JSONs.
+( cd $OUT && tar czf printed.tar.gz *.txt --remove-files )

@@ -370,8 +370,9 @@ def test_library_ab_runs_each_build_in_turn_and_checks_the_names(tmp_path):
 def test_decode_split_fit_mirrors_the_plan_and_ranks_the_rules():
     """fit_decode_split.py on the committed per-GEMM sweeps: its copy of plan()'s candidates gives
     the splits the H200 logged (HUMMING_JAX_DECODE_LOG=1, v11k call 3) under the two earlier rules
-    (HUMMING_JAX_DECODE_PLAN=resident, =bytes) and those an H100 logged under the rule in force, and the rule in force is closer to the per-GEMM best
-    than both on each sweep (an H200's two, an H100's one)."""
+    (HUMMING_JAX_DECODE_PLAN=resident, =bytes) and those an H100 logged under the rule in force,
+    and the rule in force is closer to the per-GEMM best than both on each sweep (an H200's two,
+    an H100's one)."""
     import fit_decode_split as fds
 
     logged = {  # (format, N, K, experts, routed rows): (resident rule's wk, v11k rule's wk)

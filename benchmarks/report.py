@@ -211,6 +211,17 @@ def targets_text(targets: list[dict], detail: bool = False) -> str:
 
 
 # --- tables ---------------------------------------------------------------------------------
+def rejected_blocks(data: dict) -> dict[tuple[str, str], str]:
+    """(shape, format) blocks whose every row of ours failed one input check (a ``ValueError``,
+    raised before any kernel runs: e.g. a group size that does not divide K), with its message."""
+    errors: dict[tuple[str, str], set[str]] = {}
+    for r in data.get("rows", []):
+        if r["system"].startswith(OURS):
+            errors.setdefault((r["shape"], r["format"]), set()).add(str(r.get("error") or ""))
+    return {k: next(iter(e)).removeprefix("ValueError: ") for k, e in errors.items()
+            if len(e) == 1 and next(iter(e)).startswith("ValueError: ")}
+
+
 def markdown_table(results: Iterable[tuple[str, dict]]) -> str:
     """The README table: one line per (run, shape, format, M, routing), ratios within the run."""
     out = [
@@ -219,7 +230,15 @@ def markdown_table(results: Iterable[tuple[str, dict]]) -> str:
     ]
     for name, data in results:
         ix = Index(data)
+        rejected, shown = rejected_blocks(data), set()
         for shape, fmt, m, routing in ix.points():
+            if (shape, fmt) in rejected:
+                # Our input checks refused the shape at every point: one line with their reason.
+                if (shape, fmt) not in shown:
+                    shown.add((shape, fmt))
+                    out.append(f"| {name} | {shape} | {fmt} | all | not supported: {rejected[shape, fmt]} "
+                               "| — | — | — | — | — | — |")
+                continue
             L = ix.get(OURS, fmt, shape, m, "layer", routing)
             G = ix.get(OURS, fmt, shape, m, "gemms", routing)
             hk = ix.get("humming_kernels", fmt, shape, m, "gemms", routing)

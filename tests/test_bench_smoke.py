@@ -514,3 +514,25 @@ def test_readme_table_leaving_a_format_out_keeps_the_runs_bf16_peers(tmp_path):
     assert "| tiny | bf16 |" not in table
     line = next(l for l in table.splitlines() if "| tiny | w4a16-int4-g128 |" in l)
     assert f"{t_torch / t_ours:.2f}×" in line and f"{t_rd / t_ours:.2f}×" in line
+
+
+def test_readme_table_gives_a_refused_shape_one_line_with_its_reason():
+    """A block whose every row of ours failed the same input check is one line naming the check; a
+    block with one measured point keeps its lines (its failures show as errors)."""
+    rng = np.random.default_rng()
+    ms = float(rng.uniform(0.5, 2.0))
+    why = f"group size 128 does not divide {int(rng.integers(129, 4000)) | 1} columns"
+
+    def row(system, fmt, m, part, **kw):
+        return {"system": system, "format": fmt, "shape": "tiny", "M": m, "part": part, "median_ms": None,
+                "bytes": 1000, "flops": 10} | kw
+
+    rows = [row(s, "w8a8-fp8-block128", m, p, error=f"ValueError: {why}")
+            for s in ("humming_jax", "humming_jax/indexed") for m in (1, 16, 128) for p in ("layer", "gemms")]
+    rows += [row("humming_jax", "bf16", 1, p, median_ms=ms) for p in ("layer", "gemms")]
+    rows += [row("humming_jax", "bf16", 16, p, error="RuntimeError: CUDA error") for p in ("layer", "gemms")]
+    table = report.markdown_table([("run", {"rows": rows})])
+    fp8 = [l for l in table.splitlines() if "| w8a8-fp8-block128 |" in l]
+    assert fp8 == [f"| run | tiny | w8a8-fp8-block128 | all | not supported: {why} | — | — | — | — | — | — |"]
+    bf16 = [l for l in table.splitlines() if "| bf16 |" in l]
+    assert len(bf16) == 2 and f"{ms:.3f}" in bf16[0] and "| error |" in bf16[1]

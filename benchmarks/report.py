@@ -408,7 +408,7 @@ def plot(data: dict, path: str | Path) -> str | None:
     fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"MoE experts on {data.get('device', '?')} — dotted: copy TB/s (M ≤ 128), bf16 matmul TFLOP/s (M ≥ 1024)", fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend and title are wider than one column of panels
     plt.close(fig)
     return None
 

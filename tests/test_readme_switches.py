@@ -13,7 +13,8 @@ def read_by_code() -> set[str]:
     names: set[str] = set()
     for src in SOURCES:
         path = ROOT / src
-        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.suffix in (".py", ".cc", ".cu", ".cuh", ".h")]
+        suffixes = (".py", ".cc", ".cu", ".cuh", ".h")
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.suffix in suffixes]
         for f in files:
             names |= set(NAME.findall(f.read_text(errors="replace")))
     return names

@@ -7,14 +7,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"HUMMING_JAX_[A-Z0-9_]+")
 SOURCES = ("humming_jax", "cuda_ffi", "build_backend", "CMakeLists.txt", "pyproject.toml")
+SOURCE_SUFFIXES = (".py", ".cc", ".cu", ".cuh", ".h")  # the files read inside SOURCES' folders
 
 
 def read_by_code() -> set[str]:
     names: set[str] = set()
     for src in SOURCES:
         path = ROOT / src
-        suffixes = (".py", ".cc", ".cu", ".cuh", ".h")
-        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.suffix in suffixes]
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.suffix in SOURCE_SUFFIXES]
         for f in files:
             names |= set(NAME.findall(f.read_text(errors="replace")))
     return names

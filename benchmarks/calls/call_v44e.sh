@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# v44 call E: call D's ncu pass over humming-kernels' launches, its GEMMs by name (they come after
+# torch's routing kernels, which call D's window of 12 caught: 90 unfiltered launches were still its set-up). Carry [".gpu", ".whl"].
+cd "$(dirname "$0")/../.."  # the repository root
+T0=$(date +%s)
+source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
+M="gpu__time_duration.sum,dram__bytes_read.sum,sm__inst_executed.sum,sm__cycles_active.avg,launch__grid_size,launch__block_size,launch__registers_per_thread"
+for t in 1 16; do
+  timeout 120 ncu --clock-control none --cache-control none -k regex:humming -c 6 --metrics $M --csv \
+    python3 benchmarks/profile_hk.py --shape deepseek-v3-ep8 --format w8a8-fp8-block128 --tokens $t > $OUT/ncu-hk-m$t.txt 2>&1
+  echo "ncu hk M=$t rc=$? at $(( $(date +%s) - T0 )) s"
+done
+( cd $OUT && tar czf printed.tar.gz *.txt --remove-files )

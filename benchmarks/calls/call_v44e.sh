@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# v44 call E: call D's ncu pass over humming-kernels' launches, its GEMMs by name (they come after
-# torch's routing kernels, which call D's window of 12 caught: 90 unfiltered launches were still its set-up). Carry [".gpu", ".whl"].
+# v44 call E: call D's ncu pass over humming-kernels' GEMMs, chosen by name: they come after its
+# set-up and torch's routing kernels (call D's window of 12 launches, and a first try of 90 without
+# a filter, caught only those). Carry [".gpu", ".whl"].
 cd "$(dirname "$0")/../.."  # the repository root
 T0=$(date +%s)
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # v44 call G: the fp8 ring rule from 15/16 of the SMs' units (cuda_ffi/gemm_decode_sm90.cu): the
 # fp8 decode tests, then HUMMING_JAX_DECODE_RING unset / 1 at M = 1 and 16 (the default should now
-# equal the ring at deepseek M = 1 and stay as it was elsewhere). Carry [".gpu", ".whl"], .gpu/ built
-# with benchmarks/parked/fp8-ring-from-15-16-of-sms.patch applied. TK / TT / TOK narrow the call.
+# equal the ring at deepseek M = 1 and stay as it was elsewhere). Carry [".gpu", ".whl"], .gpu/
+# built with benchmarks/parked/fp8-ring-from-15-16-of-sms.patch applied. TK / TT / TOK narrow the
+# call (pytest -k, its timeout, the sweep's tokens).
 cd "$(dirname "$0")/../.."  # the repository root
 T0=$(date +%s)
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }

@@ -7,7 +7,7 @@
 cd "$(dirname "$0")/../.."  # the repository root
 T0=$(date +%s)
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
-timeout ${TT:-120} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_fast_paths.py -k "${TK:-decode_fp8_variants or experts_indexed_quant}" > $OUT/tests.txt 2>&1
+timeout ${TT:-120} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_fast_paths.py -k "${TK:-decode_fp8_variants or experts_indexed_quant or default_takes_ring}" > $OUT/tests.txt 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/tests.txt
 P="--shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --formats w8a8-fp8-block128 --tokens ${TOK:-1,16} --part gemms --timer device --repeats 3"
 timeout 100 python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_RING --values unset,1 $P --out $OUT/sweep-decode-ring-rule.json > $OUT/sweep-decode-ring-rule.txt 2>&1

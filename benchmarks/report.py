@@ -218,8 +218,8 @@ def rejected_blocks(data: dict) -> dict[tuple[str, str], str]:
     for r in data.get("rows", []):
         if r["system"].startswith(OURS):
             errors.setdefault((r["shape"], r["format"]), set()).add(str(r.get("error") or ""))
-    return {k: next(iter(e)).removeprefix("ValueError: ") for k, e in errors.items()
-            if len(e) == 1 and next(iter(e)).startswith("ValueError: ")}
+    only = {k: next(iter(e)) for k, e in errors.items() if len(e) == 1}
+    return {k: msg.removeprefix("ValueError: ") for k, msg in only.items() if msg.startswith("ValueError: ")}
 
 
 def markdown_table(results: Iterable[tuple[str, dict]]) -> str:

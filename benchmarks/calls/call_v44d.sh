@@ -2,7 +2,8 @@
 # v44 call D: fp8 decode beside humming-kernels, kernel by kernel (deepseek M = 1 and 16, the
 # H200's worst fp8 points): our gemms' kernels from a trace (kernel_breakdown.py), then one ncu
 # pass of duration and DRAM bytes over ours and humming-kernels' launches (no cache flush, clocks
-# as they run). Carry [".gpu", ".whl"].
+# as they run). Carry [".gpu", ".whl"]. Its humming-kernels window (-s 20 -c 12) caught that
+# library's set-up, not its GEMMs: call_v44e.sh is the form that selects them by name.
 cd "$(dirname "$0")/../.."  # the repository root
 T0=$(date +%s)
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Next call for benchmarks/parked/fp8-ring-grouped-64-row-items.patch (the ring rule from 15/16 of
+# the SMs' units, and grouped fp8 x fp8 calls above 16 rows per expert on the ring in items of up to
+# 64 rows, one per expert at 32-64 rows per expert, 128-row units): build .gpu/ with the patch
+# applied, carry [".gpu", ".whl"]. Its tests (the fp8 decode variants, the ring rule's, the wide
+# items' against the CPU), then gemms sweeps, device timer:
+#   1. HUMMING_JAX_PREFILL_MIN_ROWS unset / 256 at deepseek and mixtral M = 128 / 256 (32 / 64 rows
+#      per expert): the prefill kinds against the ring's 64-row items (v45.2: 32-row items 1.3x
+#      slower, each item streaming its expert from DRAM);
+#   2. HUMMING_JAX_DECODE_ITEM_ROWS unset / 32 with the prefill kinds held off, M = 128;
+#   3. HUMMING_JAX_DECODE_RING unset / 1 at M = 1 and 16 (the rule, as v45.1).
+# TK / TT narrow the tests (pytest -k, timeout). Eight files at most come back: tests.txt and six.
+cd "$(dirname "$0")/../.."  # the repository root
+T0=$(date +%s)
+source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
+timeout ${TT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_cuda_fast_paths.py -k "${TK:-grouped_wide_items or default_takes_ring or (decode_fp8_variants and default)}" > $OUT/tests.txt 2>&1
+echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/tests.txt; grep -m5 "^FAILED" $OUT/tests.txt
+G="--formats w8a8-fp8-block128 --part gemms --timer device --repeats 3"
+timeout 150 python3 benchmarks/sweep_env.py --var HUMMING_JAX_PREFILL_MIN_ROWS --values unset,256 --shapes deepseek-v3-ep8,mixtral-8x7b --tokens 128,256 $G --out $OUT/sweep-fp8-min-rows.json > $OUT/sweep-fp8-min-rows.txt 2>&1
+echo "min-rows sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep "M=" $OUT/sweep-fp8-min-rows.txt | tail -4
+HUMMING_JAX_PREFILL_MIN_ROWS=256 timeout 80 python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_ITEM_ROWS --values unset,32 --shapes deepseek-v3-ep8,mixtral-8x7b --tokens 128 $G --out $OUT/sweep-fp8-item-rows.json > $OUT/sweep-fp8-item-rows.txt 2>&1
+echo "item-rows sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep "M=" $OUT/sweep-fp8-item-rows.txt | tail -2
+timeout 100 python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_RING --values unset,1 --shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --tokens 1,16 $G --out $OUT/sweep-decode-ring-rule.json > $OUT/sweep-decode-ring-rule.txt 2>&1
+echo "ring-rule sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep "M=" $OUT/sweep-decode-ring-rule.txt | tail -6

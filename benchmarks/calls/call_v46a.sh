@@ -9,7 +9,7 @@
 #      slower, each item streaming its expert from DRAM);
 #   2. HUMMING_JAX_DECODE_ITEM_ROWS unset / 32 with the prefill kinds held off, M = 128;
 #   3. HUMMING_JAX_DECODE_RING unset / 1 at M = 1 and 16 (the rule, as v45.1).
-# TK / TT narrow the tests (pytest -k, timeout). Eight files at most come back: tests.txt and six.
+# TK / TT narrow the tests (pytest -k, timeout). Eight files at most come back (scripts/pack_out.sh).
 cd "$(dirname "$0")/../.."  # the repository root
 T0=$(date +%s)
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
@@ -22,3 +22,4 @@ HUMMING_JAX_PREFILL_MIN_ROWS=256 timeout 80 python3 benchmarks/sweep_env.py --va
 echo "item-rows sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep "M=" $OUT/sweep-fp8-item-rows.txt | tail -2
 timeout 100 python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_RING --values unset,1 --shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --tokens 1,16 $G --out $OUT/sweep-decode-ring-rule.json > $OUT/sweep-decode-ring-rule.txt 2>&1
 echo "ring-rule sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep "M=" $OUT/sweep-decode-ring-rule.txt | tail -6
+bash scripts/pack_out.sh  # more than eight files: the logs into one archive

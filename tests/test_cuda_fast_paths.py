@@ -1637,6 +1637,10 @@ def _custom_weight(rng, wtype, e, n, kdim, group_k, scale_dtype, **kw):
         (WeightType.UINT4, 256, 128, np.float32, True, False, jnp.bfloat16, None),
         (WeightType.UINT4, 96, 32, ml_dtypes.bfloat16, False, False, jnp.float16, None),
         (WeightType.UINT4, 128, 16, jnp.bfloat16, False, True, jnp.bfloat16, None),  # two scales per lane chunk
+        # packed int4 (16-bit scales of the activation type) with groups narrower than a chunk column
+        # (128 k): each lane quad of an MMA step has its own scale
+        (WeightType.UINT4, 192, 32, jnp.bfloat16, True, False, jnp.bfloat16, None),
+        (WeightType.UINT4, 256, 64, jnp.float16, False, False, jnp.float16, None),
         # K with a partial last chunk column (not a multiple of 32 / 64 / 128 k)
         (WeightType.FLOAT, 40, 1, jnp.bfloat16, False, False, jnp.bfloat16, None),
         (WeightType.FLOAT, 72, 1, jnp.float16, False, False, jnp.float16, None),

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The int4 decode fold (benchmarks/parked/decode-u4-fold.patch, NOTES v46.2) on its library, built
-# here first:
-#   scripts/build_ab_library.sh --patch benchmarks/parked/decode-u4-fold.patch u4fold
-# then apply the patch to the working tree here (`git apply benchmarks/parked/decode-u4-fold.patch`;
-# the call copies the tree with its uncommitted changes: the patch's tests, README and Python) and
-# carry [".gpu", ".whl"]; `git checkout -- .` after the call. Every step runs on the u4fold library:
+# The int4 decode fold (benchmarks/parked/decode-u4-fold.patch, NOTES v46.2) on a library that
+# holds it, ${LIB:-next}, built here first:
+#   scripts/build_ab_library.sh --patch benchmarks/parked/decode-next.patch next   (with the 64-row
+#       fp8 ring patch: call_v47b.sh checks that one on the same library and tree)
+#   scripts/build_ab_library.sh --patch benchmarks/parked/decode-u4-fold.patch u4fold   (LIB=u4fold)
+# then apply the same patch to the working tree here (`git apply`; the call copies the tree with
+# its uncommitted changes: the patch's tests, README and Python) and carry [".gpu", ".whl"];
+# `git checkout -- .` after the call. Every step runs on that library:
 #   1. the int4 decode tests: the fold's own, the scale-group cases (packed int4 at 32 / 64 k
 #      included), every scheme and form;
 #   2. gemms sweep HUMMING_JAX_DECODE_U4_FOLD unset / 0, int4 at M = 1 / 4 / 16 on the three shapes
@@ -16,8 +18,8 @@ T0=$(date +%s)
 # A step's timeout: its cap, or what is left of ${BUDGET:-570} s less a margin for the packing.
 cap() { local left=$(( ${BUDGET:-570} - ($(date +%s) - T0) - 10 )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo $1; }
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
-grep -q kPackedU4Fold cuda_ffi/gemm_decode_sm90.cuh || { echo "the tree lacks decode-u4-fold.patch: apply it before the call"; exit 1; }
-export HUMMING_JAX_CUDA_LIB=$HJ_AB_DIR/u4fold.so
+grep -q kPackedU4Fold cuda_ffi/gemm_decode_sm90.cuh || { echo "the tree lacks the fold: apply decode-next.patch or decode-u4-fold.patch before the call"; exit 1; }
+export HUMMING_JAX_CUDA_LIB=$HJ_AB_DIR/${LIB:-next}.so
 [[ -f $HUMMING_JAX_CUDA_LIB ]] || { echo "no $HUMMING_JAX_CUDA_LIB: build it with scripts/build_ab_library.sh"; exit 1; }
 timeout $(cap ${TT:-220}) python3 -m pytest -q -p no:cacheprovider tests/test_cuda_fast_paths.py \
   -k "${TK:-u4_fold or scale_types_groups or (decode_every_scheme and int4)}" > $OUT/tests.txt 2>&1

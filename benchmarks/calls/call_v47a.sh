@@ -9,7 +9,7 @@
 # `git checkout -- .` after the call. Every step runs on that library:
 #   1. the int4 decode tests: the fold's own, the scale-group cases (packed int4 at 32 / 64 k
 #      included), every scheme and form;
-#   2. gemms sweep HUMMING_JAX_DECODE_U4_FOLD unset / 0 / exact, int4 at M = 1 / 4 / 16 on the three shapes
+#   2. gemms sweep HUMMING_JAX_DECODE_U4_FOLD unset / 0 / exact, int4 at M = 1 / 16 on the three shapes
 #      (device timer);
 #   3. bench_moe, int4 at M = 1 / 16 against the peers (the humming-kernels ratio of issue 5).
 # TK / TT narrow the tests (pytest -k, timeout). Eight files at most come back (scripts/pack_out.sh).
@@ -24,11 +24,11 @@ export HUMMING_JAX_CUDA_LIB=$HJ_AB_DIR/${LIB:-next}.so
 timeout $(cap ${TT:-220}) python3 -m pytest -q -p no:cacheprovider tests/test_cuda_fast_paths.py \
   -k "${TK:-u4_fold or scale_types_groups or (decode_every_scheme and int4)}" > $OUT/tests.txt 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/tests.txt; grep -m5 "^FAILED" $OUT/tests.txt
-timeout $(cap 150) python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_U4_FOLD --values unset,0,exact \
-  --shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --tokens 1,4,16 --formats w4a16-int4-g128 --part gemms \
+timeout $(cap 170) python3 benchmarks/sweep_env.py --var HUMMING_JAX_DECODE_U4_FOLD --values unset,0,exact \
+  --shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --tokens 1,16 --formats w4a16-int4-g128 --part gemms \
   --timer device --repeats 3 --out $OUT/sweep-u4-fold.json > $OUT/sweep-u4-fold.txt 2>&1
 echo "fold sweep rc=$? at $(( $(date +%s) - T0 )) s"; grep "M=" $OUT/sweep-u4-fold.txt | tail -12
-B=$(cap 170)
+B=$(cap 160)
 timeout $B python3 benchmarks/bench_moe.py --shapes deepseek-v3-ep8,mixtral-8x7b,qwen3-30b-a3b --formats w4a16-int4-g128 \
   --tokens 1,16 --zipf-tokens 0 --timer device --time-budget-s $(( B > 40 ? B - 25 : 15 )) --no-plot \
   --out $OUT/decode-int4.json > $OUT/decode-int4.txt 2>&1

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# call_v46a.sh's checks of benchmarks/parked/fp8-ring-grouped-64-row-items.patch (the ring rule from
+# The checks of benchmarks/parked/fp8-ring-grouped-64-row-items.patch (the ring rule from
 # 15/16 of the SMs' units; grouped fp8 x fp8 calls above 16 rows per expert on the ring in items of
 # up to 64 rows) on a library built from a patch that holds it, ${LIB:-next}:
 #   scripts/build_ab_library.sh --patch benchmarks/parked/decode-next.patch next
 # (the union with decode-u4-fold.patch, so that call_v47a.sh runs on the same library and tree in
 # the next call). Apply that patch to the working tree before the call (`git apply`; the call
 # copies the uncommitted tree: the patches' tests and README), carry [".gpu", ".whl"], and
-# `git checkout -- .` after. Steps as call_v46a.sh: its tests (the fp8 decode variants, the ring
-# rule's, the wide items' against the CPU); gemms sweeps, device timer: HUMMING_JAX_PREFILL_MIN_ROWS
+# `git checkout -- .` after. Its tests (the fp8 decode variants, the ring rule's, the wide items'
+# against the CPU); gemms sweeps, device timer: HUMMING_JAX_PREFILL_MIN_ROWS
 # unset / 256 at deepseek and mixtral M = 128 / 256, HUMMING_JAX_DECODE_ITEM_ROWS unset / 32 with
 # the prefill kinds held off at M = 128, ncu of the ring's DRAM bytes (64- against 32-row items),
 # HUMMING_JAX_DECODE_RING unset / 1 at M = 1 / 16.

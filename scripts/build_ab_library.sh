@@ -32,6 +32,7 @@ fi
 cmake --build build-gpu/cuda -j "$(nproc)"
 mkdir -p .gpu/ab
 xz -T0 -6 -c build-gpu/cuda/libhumming_jax_cuda.so > ".gpu/ab/$NAME.so.xz"
+bash scripts/cuda_src_hash.sh > ".gpu/ab/$NAME.src-sha256"  # the sources it was built from
 restore
 trap - EXIT
 cmake --build build-gpu/cuda -j "$(nproc)" > /dev/null

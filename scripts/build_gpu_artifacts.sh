@@ -43,5 +43,6 @@ mkdir -p .gpu
 # under the device call's 64 MiB; scripts/device_env.sh decompresses it there.
 rm -f .gpu/libhumming_jax_cuda.so
 xz -T0 -6 -c build-gpu/cuda/libhumming_jax_cuda.so > .gpu/libhumming_jax_cuda.so.xz
+bash scripts/cuda_src_hash.sh > .gpu/libhumming_jax_cuda.src-sha256  # the sources it was built from
 cp build-gpu/py/_humming_jax_cpu*.so .gpu/
 ls -la .gpu

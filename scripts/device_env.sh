@@ -9,6 +9,9 @@
 #    selects one).
 # Exports PYTHONPATH (the tree, benchmarks/, /tmp/site), PYTHONUNBUFFERED and
 # XLA_PYTHON_CLIENT_PREALLOCATE=false. Returns non-zero, saying why, when something is missing.
+# Then `hj_use_lib NAME` points the call at the A/B build NAME (HUMMING_JAX_CUDA_LIB), only where
+# its stamp (.gpu/ab/NAME.src-sha256, scripts/cuda_src_hash.sh at its build) matches the carried
+# tree's cuda_ffi/: a library built from other sources would be measured as this tree's.
 hj_unxz() {  # SRC.xz DST (python3's lzma: no xz binary needed on the GPU machine)
   python3 -c 'import lzma, shutil, sys
 with lzma.open(sys.argv[1]) as f, open(sys.argv[2], "wb") as g: shutil.copyfileobj(f, g)' "$1" "$2"
@@ -37,5 +40,14 @@ hj_device_env() {
       hj_unxz "$f" "$HJ_AB_DIR/$(basename "${f%.xz}")" || return 1
     done
   fi
+}
+hj_use_lib() {  # NAME
+  local root lib
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  lib=$HJ_AB_DIR/$1.so
+  [[ -f $lib ]] || { echo "device_env: no $lib (scripts/build_ab_library.sh builds .gpu/ab/$1.so.xz)"; return 1; }
+  [[ "$(bash "$root/scripts/cuda_src_hash.sh")" == "$(cat "$root/.gpu/ab/$1.src-sha256" 2>/dev/null)" ]] ||
+    { echo "device_env: $1.so was built from other sources than this tree's cuda_ffi/ (or has no stamp): rebuild it"; return 1; }
+  export HUMMING_JAX_CUDA_LIB=$lib
 }
 hj_device_env

@@ -64,3 +64,37 @@ def test_a_missing_library_stops_the_call(tmp_path, missing):
     assert res.returncode != 0
     assert ("no CUDA library" if missing == "cuda" else "no CPU module") in res.stdout
     assert not (root / "humming_jax" / "libhumming_jax_cuda.so").exists()
+
+
+def _use_lib(root, ab_dir, name):
+    env = dict(os.environ, HJ_AB_DIR=str(ab_dir))
+    env.pop("HUMMING_JAX_CUDA_LIB", None)
+    cmd = f'source scripts/device_env.sh && hj_use_lib {name} && echo "LIB=$HUMMING_JAX_CUDA_LIB"'
+    return subprocess.run(["bash", "-c", cmd], cwd=root, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("case", ["stamped", "other_sources", "no_stamp", "no_library"])
+def test_an_ab_library_is_used_only_with_the_trees_stamp(tmp_path, rng, case):
+    """hj_use_lib NAME exports HUMMING_JAX_CUDA_LIB only where .gpu/ab/NAME.src-sha256 matches
+    scripts/cuda_src_hash.sh of the carried tree; otherwise the call stops, saying why."""
+    root = _tree(tmp_path)
+    shutil.copy(ROOT / "scripts" / "cuda_src_hash.sh", root / "scripts")
+    (root / "cuda_ffi").mkdir()
+    (root / "cuda_ffi" / "k.cu").write_bytes(rng.bytes(256))
+    (root / "CMakeLists.txt").write_bytes(rng.bytes(64))
+    (root / ".gpu" / "libhumming_jax_cuda.so").write_bytes(b"lib")
+    if case != "no_library":
+        (root / ".gpu" / "ab" / "next.so.xz").write_bytes(lzma.compress(rng.bytes(1024)))
+    stamp = subprocess.run(["bash", "scripts/cuda_src_hash.sh"], cwd=root, capture_output=True, text=True).stdout
+    if case != "no_stamp":
+        (root / ".gpu" / "ab" / "next.src-sha256").write_text(stamp)
+    if case == "other_sources":
+        (root / "cuda_ffi" / "k.cu").write_bytes(rng.bytes(256))
+    res = _use_lib(root, tmp_path / "ab", "next")
+    if case == "stamped":
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"LIB={tmp_path / 'ab' / 'next.so'}" in res.stdout
+    else:
+        assert res.returncode != 0
+        assert "LIB=" not in res.stdout
+        assert ("no " if case == "no_library" else "other sources") in res.stdout

@@ -19,11 +19,7 @@ T0=$(date +%s)
 cap() { local left=$(( ${BUDGET:-570} - ($(date +%s) - T0) - 10 )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo $1; }
 source scripts/device_env.sh > /dev/null 2>&1 || { echo device_env failed; exit 1; }
 grep -q kPackedU4Fold cuda_ffi/gemm_decode_sm90.cuh || { echo "the tree lacks the fold: apply decode-next.patch or decode-u4-fold.patch before the call"; exit 1; }
-export HUMMING_JAX_CUDA_LIB=$HJ_AB_DIR/${LIB:-next}.so
-[[ -f $HUMMING_JAX_CUDA_LIB ]] || { echo "no $HUMMING_JAX_CUDA_LIB: build it with scripts/build_ab_library.sh"; exit 1; }
-# The library must come from this tree's sources (the patch as applied here): its build's stamp.
-[[ "$(bash scripts/cuda_src_hash.sh)" == "$(cat .gpu/ab/${LIB:-next}.src-sha256 2>/dev/null)" ]] ||
-  { echo "${LIB:-next}.so was built from other sources than this tree's cuda_ffi: rebuild it"; exit 1; }
+hj_use_lib ${LIB:-next} || exit 1  # built from this tree's sources (the patch as applied here)
 timeout $(cap ${TT:-220}) python3 -m pytest -q -p no:cacheprovider tests/test_cuda_fast_paths.py \
   -k "${TK:-u4_fold or scale_types_groups or (decode_every_scheme and int4)}" > $OUT/tests.txt 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; tail -3 $OUT/tests.txt; grep -m5 "^FAILED" $OUT/tests.txt

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import tarfile
 
-import numpy as np
 import pytest
 from conftest import ROOT
 
@@ -37,8 +36,7 @@ def _fill(out, rng, txt, json):
     return made
 
 
-def test_packs_the_logs_where_files_exceed_the_limit(tmp_path):
-    rng = np.random.default_rng()
+def test_packs_the_logs_where_files_exceed_the_limit(tmp_path, rng):
     made = _fill(tmp_path, rng, txt=5, json=4)  # nine files: one over the eight that come back
     r = _run(tmp_path)
     assert r.returncode == 0, r.stderr
@@ -52,16 +50,14 @@ def test_packs_the_logs_where_files_exceed_the_limit(tmp_path):
 
 
 @pytest.mark.parametrize("count", [1, 8])
-def test_leaves_up_to_the_limit_alone(tmp_path, count):
-    rng = np.random.default_rng()
+def test_leaves_up_to_the_limit_alone(tmp_path, count, rng):
     made = _fill(tmp_path, rng, txt=count, json=0)
     r = _run(tmp_path)
     assert r.returncode == 0, r.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == made
 
 
-def test_limit_is_a_setting(tmp_path):
-    rng = np.random.default_rng()
+def test_limit_is_a_setting(tmp_path, rng):
     _fill(tmp_path, rng, txt=2, json=2)
     r = _run(tmp_path, HJ_OUT_FILES="3")
     assert r.returncode == 0, r.stderr
